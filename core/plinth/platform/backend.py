@@ -1,0 +1,338 @@
+"""The objects a backend hands to the core: probe results, capabilities and kernels.
+
+A plugin's ``plinth_register_backends`` hook returns :class:`Backend` objects. After selection the
+engine holds plain kernel objects (:class:`AttentionKernels`, :class:`GemmKernels`,
+:class:`SmallOps`) and calls their methods in the step loop; no hook is called per token.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a dtype name used in capabilities and configs ("float32", ...) to a torch dtype."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The inverse of :func:`torch_dtype`."""
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported torch dtype {dtype}")
+
+
+class NotSupported(Exception):
+    """A backend cannot run the requested case. The message names the backend and the reason."""
+
+    def __init__(self, backend: str, what: str, reasons: list[str] | str) -> None:
+        self.backend = backend
+        self.what = what
+        self.reasons = [reasons] if isinstance(reasons, str) else list(reasons)
+        super().__init__(f"backend {backend!r} does not support {what}: " + "; ".join(self.reasons))
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A backend's answer to "can you run here, and how well?".
+
+    ``score`` 0 means unusable; otherwise the highest score wins selection. ``reasons`` say why, in
+    words an operator can act on. ``emulation`` is true when the backend runs its code on a device it
+    was not written for (for example Gaudi ops on the CPU): usable for tests, never a certification.
+    """
+
+    score: int
+    reasons: tuple[str, ...] = ()
+    device_name: str = ""
+    emulation: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """The layout of one layer's KV cache tensor, described by named dimensions.
+
+    ``dims`` orders the names ``kv`` (2: key, value), ``num_blocks``, ``block_size``,
+    ``num_kv_heads`` and ``head_size`` as the tensor stores them.
+    """
+
+    dims: tuple[str, ...] = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
+
+    def shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """The tensor shape for the given sizes."""
+        sizes = {
+            "kv": 2,
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "num_kv_heads": num_kv_heads,
+            "head_size": head_size,
+        }
+        return tuple(sizes[d] for d in self.dims)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """Everything about one attention layer that decides whether a backend can run it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str = "float32"
+    kv_cache_dtype: str = "float32"
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend declares it supports. The core asks before it builds; the conformance suite
+    checks every declared case runs and every undeclared one raises :class:`NotSupported`."""
+
+    dtypes: frozenset[str]
+    kv_cache_dtypes: frozenset[str]
+    head_sizes: frozenset[int]
+    block_sizes: tuple[int, ...]
+    max_gqa_ratio: int | None = None  # None: any ratio num_heads / num_kv_heads
+    features: frozenset[str] = frozenset()  # "sliding_window", "logits_soft_cap"
+    quant_formats: frozenset[str] = frozenset()
+    kv_cache_layout: KVCacheLayout = field(default_factory=KVCacheLayout)
+
+    def unsupported(self, spec: AttentionSpec) -> list[str]:
+        """Reasons ``spec`` cannot run on this backend; empty when it can."""
+        reasons = []
+        if spec.dtype not in self.dtypes:
+            reasons.append(f"dtype {spec.dtype} (supported: {sorted(self.dtypes)})")
+        if spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(f"kv cache dtype {spec.kv_cache_dtype} (supported: {sorted(self.kv_cache_dtypes)})")
+        if spec.head_size not in self.head_sizes:
+            reasons.append(f"head size {spec.head_size} (supported: {sorted(self.head_sizes)})")
+        if spec.block_size not in self.block_sizes:
+            reasons.append(f"block size {spec.block_size} (supported: {list(self.block_sizes)})")
+        if spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"{spec.num_heads} query heads not a multiple of {spec.num_kv_heads} kv heads")
+        elif self.max_gqa_ratio is not None and spec.num_heads // spec.num_kv_heads > self.max_gqa_ratio:
+            reasons.append(f"GQA ratio {spec.num_heads // spec.num_kv_heads} > {self.max_gqa_ratio}")
+        if spec.sliding_window is not None and "sliding_window" not in self.features:
+            reasons.append("sliding window attention")
+        if spec.logits_soft_cap is not None and "logits_soft_cap" not in self.features:
+            reasons.append("logits soft-cap")
+        return reasons
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The varlen batch one attention call serves: any mix of prefill chunks and decodes.
+
+    T is the number of tokens in the step, B the number of sequences. Sequence ``i`` owns query
+    tokens ``query_start_loc[i]:query_start_loc[i+1]``; they are the *last* tokens of its
+    ``seq_lens[i]`` kv tokens (whose K/V are already written to the cache when ``forward`` runs),
+    so query token ``j`` of sequence ``i`` sits at position ``seq_lens[i] - query_len + j`` and
+    attends causally to kv positions ``<=`` its own.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32; entries past a sequence's blocks are padding
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset; -1 marks a padding token
+    max_query_len: int
+    max_seq_len: int
+    query_lens_host: list[int]  # host copies, so a kernel never syncs to read them
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        """B, the number of sequences."""
+        return len(self.seq_lens_host)
+
+
+class AttentionKernels(ABC):
+    """KV-cache write and paged attention for one :class:`AttentionSpec`."""
+
+    def __init__(self, spec: AttentionSpec, layout: KVCacheLayout) -> None:
+        self.spec = spec
+        self.layout = layout
+
+    @abstractmethod
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store ``key``/``value`` ([T, Hkv, D]) at ``slot_mapping`` ([T]); slots < 0 are skipped."""
+
+    @abstractmethod
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Paged attention: ``query`` [T, H, D] -> output [T, H, D] over the cached K/V."""
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer's cache (copy-on-write of shared blocks)."""
+        if not pairs:
+            return
+        axis = self.layout.dims.index("num_blocks")
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=kv_caches[0].device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=kv_caches[0].device)
+        for cache in kv_caches:
+            cache.index_copy_(axis, dst, cache.index_select(axis, src))
+
+
+@dataclass(slots=True)
+class LinearWeight:
+    """A weight prepared by a backend's GEMM: dense ``[N, K]`` or a backend-specific format."""
+
+    out_features: int
+    in_features: int
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None = None
+    format: str = "dense"
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class GemmKernels(ABC):
+    """Matrix multiplication of activations with prepared weights."""
+
+    @abstractmethod
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
+        """Turn a dense ``weight`` [N, K] (and ``bias`` [N]) into the layout ``linear`` wants.
+
+        Called once per weight at load time; may re-lay out, cast or move to the device.
+        """
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """``x`` [M, K] @ weight.T (+ bias) -> [M, N]."""
+
+
+class SmallOps:
+    """Elementwise and normalisation ops a backend may override. The defaults are plain torch."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim, computed in fp32 at least: ``x / rms(x) * weight``."""
+        dtype = x.dtype
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (out * weight.to(out.dtype)).to(dtype)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, 2I] -> silu(x[:, :I]) * x[:, I:]  ([M, I])."""
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def rotary(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int
+    ) -> torch.Tensor:
+        """NeoX-style rotary embedding of ``x`` [T, H, D] at ``positions`` [T].
+
+        ``cos_sin`` is [max_pos, rotary_dim] (cos in the first half, sin in the second); the first
+        ``rotary_dim`` features of each head are rotated, the rest pass through.
+        """
+        cs = cos_sin.index_select(0, positions)  # [T, rotary_dim]
+        cos, sin = cs.chunk(2, dim=-1)
+        cos = cos.unsqueeze(1).to(x.dtype)  # [T, 1, rotary_dim/2]
+        sin = sin.unsqueeze(1).to(x.dtype)
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
+class DeviceServices:
+    """Device-level services: where tensors live, how much memory is free, optional compilation.
+
+    The default describes the host CPU; accelerator backends override it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def memory_info(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` of the memory the KV cache is allocated in."""
+        import os
+
+        pages = os.sysconf("SC_PHYS_PAGES")
+        avail = os.sysconf("SC_AVPHYS_PAGES")
+        page = os.sysconf("SC_PAGE_SIZE")
+        return avail * page, pages * page
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on synchronous devices)."""
+
+    def default_dtype(self) -> str:
+        """The compute dtype to use when the user does not choose one."""
+        return "float32"
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Optionally compile a model forward; the default returns it unchanged."""
+        return fn
+
+
+class Backend(ABC):
+    """A hardware backend as a plugin registers it. Subclasses set the class attributes."""
+
+    name: ClassVar[str]
+    version: ClassVar[str] = "0"
+    api_version: ClassVar[tuple[int, int]] = (1, 0)
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    def probe(self) -> Probe:
+        """Check the hardware and software this backend needs. Must not raise for missing hardware:
+        return score 0 with the reason instead."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend supports."""
+
+    @abstractmethod
+    def device_services(self) -> DeviceServices:
+        """Device services for this backend's device."""
+
+    @abstractmethod
+    def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
+        """Kernels for ``spec``; raise :class:`NotSupported` if the capabilities exclude it."""
+
+    @abstractmethod
+    def gemm_kernels(self, dtype: str) -> GemmKernels:
+        """GEMM for activations of ``dtype``; raise :class:`NotSupported` if unsupported."""
+
+    def small_ops(self) -> SmallOps:
+        """Norm, activation and rotary ops; the default is plain torch."""
+        return SmallOps()
+
+    def allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int) -> torch.Tensor:
+        """One layer's KV cache, shaped by the declared :class:`KVCacheLayout`."""
+        layout = self.capabilities().kv_cache_layout
+        shape = layout.shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        device = self.device_services().device
+        return torch.zeros(shape, dtype=torch_dtype(spec.kv_cache_dtype), device=device)
+
+
+class KernelProvider(ABC):
+    """Kernels a plugin contributes to another plugin's backend (``plinth_register_kernels``)."""
+
+    backend_name: ClassVar[str]
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0  # the backend's own kernels have priority 0
+
+    def attention_kernels(self, spec: AttentionSpec, layout: KVCacheLayout) -> AttentionKernels | None:
+        """Kernels for ``spec``, or None when this provider does not cover it."""
+        return None
+
+    def gemm_kernels(self, dtype: str) -> GemmKernels | None:
+        """GEMM for ``dtype``, or None when this provider does not cover it."""
+        return None
