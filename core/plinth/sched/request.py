@@ -67,6 +67,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    forked: bool = False  # True once forked into n sequences (and for the forks): never fork again
 
     @property
     def num_tokens(self) -> int:

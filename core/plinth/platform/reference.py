@@ -1,0 +1,181 @@
+"""The reference backend: plain torch, one sequence at a time, obviously correct.
+
+It is the oracle of the tests and the conformance suite, and the per-op fallback of every other
+backend. It is registered through the ``plinth.backends`` entry-point group like any third-party
+plugin. Its score is low on purpose: it wins selection only when nothing else can run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from plinth.hookspecs import hookimpl
+from plinth.platform.backend import (
+    AttentionKernels,
+    AttentionMetadata,
+    AttentionSpec,
+    Backend,
+    Capabilities,
+    DeviceServices,
+    GemmKernels,
+    KVCacheLayout,
+    LinearWeight,
+    NotSupported,
+    Probe,
+    torch_dtype,
+)
+
+REFERENCE_SCORE = 1
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Attention over a paged cache, sequence by sequence and block by block.
+
+    ``key_cache``/``value_cache`` are [num_blocks, block_size, Hkv, D]. Computed in fp64 when the
+    query is fp64, fp32 otherwise; the output has the query's dtype.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    block_size = key_cache.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out = torch.zeros(num_tokens, num_heads, head_size, dtype=query.dtype, device=query.device)
+    starts = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        n_blocks = math.ceil(seq_len / block_size)
+        blocks = meta.block_tables[i, :n_blocks].tolist()
+        k = torch.cat([key_cache[b] for b in blocks])[:seq_len].to(acc)  # [S, Hkv, D]
+        v = torch.cat([value_cache[b] for b in blocks])[:seq_len].to(acc)
+        k = k.repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].to(acc)  # [Q, H, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, Q, S]
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= q_pos - k_pos < sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
+
+
+class ReferenceAttention(AttentionKernels):
+    """KV write by indexing one token at a time; attention by :func:`reference_paged_attention`."""
+
+    @staticmethod
+    def default_layout() -> KVCacheLayout:
+        """The only KV layout the reference kernels read and write."""
+        return KVCacheLayout()
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot < 0:  # padding token
+                continue
+            kv_cache[0, slot // block_size, slot % block_size] = key[t]
+            kv_cache[1, slot // block_size, slot % block_size] = value[t]
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return reference_paged_attention(
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            scale,
+            sliding_window=self.spec.sliding_window,
+            logits_soft_cap=self.spec.logits_soft_cap,
+        )
+
+
+class ReferenceGemm(GemmKernels):
+    """``x @ w.T + b`` with torch.matmul, no re-layout."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
+        return LinearWeight(
+            out_features=weight.shape[0],
+            in_features=weight.shape[1],
+            weight=weight.to(self.dtype).contiguous(),
+            bias=None if bias is None else bias.to(self.dtype),
+        )
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        assert weight.weight is not None
+        out = torch.matmul(x, weight.weight.t())
+        return out if weight.bias is None else out + weight.bias
+
+
+class ReferenceBackend(Backend):
+    """Plain torch on the host CPU in fp32 or fp64; every head size, block size and feature."""
+
+    name = "reference"
+    version = "0.1.0"
+    api_version = (1, 0)
+    description = "plain-torch oracle: slow, obviously correct"
+
+    def __init__(self) -> None:
+        self._services = DeviceServices(torch.device("cpu"))
+        self._caps = Capabilities(
+            dtypes=frozenset({"float32", "float64"}),
+            kv_cache_dtypes=frozenset({"float32", "float64"}),
+            head_sizes=frozenset(range(1, 513)),
+            block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            max_gqa_ratio=None,
+            features=frozenset({"sliding_window", "logits_soft_cap"}),
+            kv_cache_layout=KVCacheLayout(),
+        )
+
+    def probe(self) -> Probe:
+        return Probe(
+            score=REFERENCE_SCORE,
+            reasons=("always available; a correctness oracle, not meant for speed",),
+            device_name="host CPU",
+        )
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def device_services(self) -> DeviceServices:
+        return self._services
+
+    def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
+        reasons = self._caps.unsupported(spec)
+        if reasons:
+            raise NotSupported(self.name, "attention", reasons)
+        return ReferenceAttention(spec, self._caps.kv_cache_layout)
+
+    def gemm_kernels(self, dtype: str) -> GemmKernels:
+        if dtype not in self._caps.dtypes:
+            raise NotSupported(self.name, f"GEMM in {dtype}", f"supported: {sorted(self._caps.dtypes)}")
+        return ReferenceGemm(torch_dtype(dtype))
+
+
+@hookimpl
+def plinth_register_backends() -> Sequence[Backend]:
+    """The reference backend registers itself like any plugin."""
+    return [ReferenceBackend()]

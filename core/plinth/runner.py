@@ -1,0 +1,113 @@
+"""The model runner: turns a SchedulerOutput into one flattened forward pass and sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plinth.model.context import ForwardContext
+from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
+from plinth.sampler import SampleResult, Sampler, SampleRow
+from plinth.sched.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    """The flattened varlen batch of one step (T tokens, B sequences)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    last_token_index: torch.Tensor  # [B] index into T of each sequence's last token
+
+
+class ModelRunner:
+    """Owns the model and the KV caches; runs one scheduled step at a time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        attention: AttentionKernels,
+        services: DeviceServices,
+        block_size: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.attention = attention  # used for block copies; every layer shares the cache layout
+        self.services = services
+        self.device = services.device
+        self.block_size = block_size
+        self.sampler = Sampler()
+
+    def prepare(self, out: SchedulerOutput) -> BatchInputs:
+        """Build the step's tensors from the scheduler's value objects."""
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        for s in out.scheduled:
+            input_ids.extend(s.token_ids)
+            query_lens.append(len(s.token_ids))
+            starts.append(s.start_position)
+            seq_lens.append(s.start_position + len(s.token_ids))
+            tables.append(s.block_ids)
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        # positions of the flattened tokens: each sequence counts up from its start position
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
+        offset_in_seq = torch.arange(len(input_ids)) - query_start_loc[:-1].index_select(0, seq_of_token)
+        positions = torch.tensor(starts, dtype=torch.long).index_select(0, seq_of_token) + offset_in_seq
+        block_idx = block_tables[seq_of_token, positions // self.block_size].long()
+        slot_mapping = block_idx * self.block_size + positions % self.block_size
+        attn = AttentionMetadata(
+            query_start_loc=query_start_loc.to(torch.int32).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=positions.to(dev),
+            attn=attn,
+            last_token_index=(query_start_loc[1:] - 1).to(dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, list[SampleResult]]:
+        """Run the step; return the sampled tokens of each request that samples this step."""
+        if out.block_copies:
+            self.attention.copy_blocks(self.kv_caches, out.block_copies)
+        batch = self.prepare(out)
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+        sampling = [i for i, s in enumerate(out.scheduled) if s.num_samples > 0]
+        if not sampling:
+            return {}
+        idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
+        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [S, V]
+        rows: list[SampleRow] = []
+        owners: list[str] = []
+        for j, i in enumerate(sampling):
+            s = out.scheduled[i]
+            req = s.request
+            params = req.params
+            for k in range(s.num_samples):
+                # sample k of a fork becomes the sequence "<id>#k"; it seeds with seed + k
+                key = req.request_id if k == 0 else f"{req.request_id}#{k}"
+                seed = None if params.seed is None else params.seed + req.sample_index + k  # type: ignore[attr-defined]
+                rows.append(SampleRow(j, params, key, seed, req.prompt_token_ids, req.output_token_ids))  # type: ignore[arg-type]
+                owners.append(req.request_id)
+        results: dict[str, list[SampleResult]] = {}
+        for owner, result in zip(owners, self.sampler.sample(logits, rows), strict=True):
+            results.setdefault(owner, []).append(result)
+        return results

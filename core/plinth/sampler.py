@@ -1,0 +1,140 @@
+"""Turning logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plinth.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One token to sample. Several rows may read the same logits row (the n samples of a fork)."""
+
+    logits_index: int
+    params: SamplingParams
+    key: str  # the sequence that receives the token: owns the seeded generator
+    seed: int | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """The sampled token and, when asked for, its logprob and the top-n alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    """Samples one token per :class:`SampleRow`.
+
+    Logprobs are those of the model's raw distribution (before penalties and temperature), as the
+    OpenAI API reports them. Seeded rows draw from their own generator, kept across steps, so a
+    seeded request yields the same tokens whatever else is in the batch.
+    """
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, key: str) -> None:
+        """Drop the generator of a finished sequence."""
+        self._generators.pop(key, None)
+
+    def _generator(self, key: str, seed: int) -> torch.Generator:
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator()
+            gen.manual_seed(seed)
+            self._generators[key] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
+        """``logits`` [L, V] -> one result per row."""
+        logits = logits.float()
+        index = torch.tensor([r.logits_index for r in rows], dtype=torch.long, device=logits.device)
+        logits = logits.index_select(0, index)  # [S, V]
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for i, row in enumerate(rows):
+            if row.params.has_penalties:
+                logits[i] = apply_penalties(logits[i], row.params, row.prompt_ids, row.output_ids)
+
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            g = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+            tokens[g] = logits.index_select(0, g).argmax(dim=-1)
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random:
+            r_idx = torch.tensor(random, dtype=torch.long, device=logits.device)
+            probs = filtered_probs(logits.index_select(0, r_idx), [rows[i].params for i in random])
+            for j, i in enumerate(random):
+                row = rows[i]
+                gen = self._generator(row.key, row.seed) if row.seed is not None else None
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+
+        token_list = tokens.tolist()
+        results = []
+        for i, row in enumerate(rows):
+            result = SampleResult(token_id=token_list[i])
+            if raw_logprobs is not None and row.params.logprobs is not None:
+                result.logprob = float(raw_logprobs[i, token_list[i]])
+                if row.params.logprobs > 0:
+                    values, ids = raw_logprobs[i].topk(row.params.logprobs)
+                    result.top_logprobs = list(zip(ids.tolist(), values.tolist(), strict=True))
+                else:
+                    result.top_logprobs = []
+            results.append(result)
+        return results
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """Repetition (over prompt and output), presence and frequency (over the output) penalties.
+
+    ``logits`` [V] -> [V].
+    """
+    vocab = logits.shape[0]
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        ids = torch.tensor(prompt_ids + output_ids, dtype=torch.long, device=logits.device)
+        seen[ids[ids < vocab]] = True
+        p = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+    if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+        out = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filtering; ``logits`` [S, V] -> probabilities [S, V]."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    drop = ranks >= top_k[:, None]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it does
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p[:, None]
+    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    masked = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return torch.softmax(masked, dim=-1)

@@ -1,0 +1,397 @@
+"""The scheduler: which requests run each step, with how many tokens, in which blocks.
+
+It exchanges value objects with the rest of the engine (``Request`` in, ``SchedulerOutput`` out,
+sampled token ids back in through ``update``) and never imports torch.
+
+When ``num_computed_tokens`` advances: optimistically, in ``schedule()``. After ``schedule()`` returns,
+a scheduled request's ``num_computed_tokens`` already counts the tokens scheduled for it (the step
+about to run writes their K/V). ``update()`` must then be called with that output, before the next
+``schedule()``, to append the sampled tokens; it also registers the blocks the step filled in the
+prefix cache (only then are they really computed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from plinth.sched.kv_cache_manager import KVCacheManager
+from plinth.sched.output import ScheduledRequest, SchedulerOutput
+from plinth.sched.request import Request, RequestStatus
+
+
+def _token_slice(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without copying the whole sequence."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    p = len(prompt)
+    if end <= p:
+        return prompt[start:end]
+    if start >= p:
+        return output[start - p : end - p]
+    return prompt[start:] + output[: end - p]
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache: token budget, chunked prefill, prefix hits, preemption.
+
+    :param num_blocks: KV blocks in the pool (block 0 is the reserved null block).
+    :param block_size: tokens per block.
+    :param max_num_batched_tokens: the token budget of one step.
+    :param max_num_seqs: most requests scheduled in one step, and most running at once (a request
+        with ``n`` > 1 counts ``n`` seats from admission, so its forks never overflow).
+    :param max_model_len: the context length: prompt + output tokens of one request.
+    :param enable_prefix_caching: reuse computed full blocks across requests.
+    :param enable_chunked_prefill: when False, a waiting request is admitted only if all its
+        remaining tokens fit in the step's budget.
+    :param long_prefill_token_threshold: when > 0, at most this many tokens per request per step,
+        so one long prompt cannot take a whole step from the decodes.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ValueError(
+                f"need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2; got "
+                f"{max_num_batched_tokens}, {max_num_seqs}, {max_model_len}"
+            )
+        if (num_blocks - 1) * block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks - 1} usable blocks of {block_size} tokens) cannot hold one "
+                f"request of max_model_len={max_model_len} tokens"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be "
+                f">= max_model_len ({max_model_len})"
+            )
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._pending: SchedulerOutput | None = None  # scheduled, not yet passed to update()
+        self.num_preemptions_total = 0
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # -- requests in and out ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue.
+
+        Raises ValueError for an empty prompt, a prompt of ``max_model_len`` tokens or more, a
+        request id already in use, ``max_tokens`` < 1, or ``n`` outside ``1..max_num_seqs``.
+        """
+        rid = request.request_id
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_prompt} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        if request.stop.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.stop.max_tokens}")
+        if not 1 <= request.n <= self.max_num_seqs:
+            raise ValueError(f"request {rid!r}: n={request.n} must be in 1..max_num_seqs={self.max_num_seqs}")
+        ids = [rid] + [f"{rid}#{i}" for i in range(1, request.n)]
+        taken = [i for i in ids if i in self._requests]
+        if taken:
+            raise ValueError(f"request id(s) {taken} already in use")
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside (a stop string found in the text, an abort); free its blocks.
+
+        :param status: a ``FINISHED_*`` status.
+        :return: the request, or None when no unfinished request has this id.
+        """
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort one request (waiting or running); its forks, having their own ids, are untouched."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def abort_group(self, request_id: str) -> list[Request]:
+        """Abort a request and every fork of it (``"<id>#<i>"``, ``parent_id == request_id``)."""
+        ids = [rid for rid, r in self._requests.items() if rid == request_id or r.parent_id == request_id]
+        aborted = [self.abort_request(rid) for rid in ids]
+        return [r for r in aborted if r is not None]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished, free the blocks, forget the request (the caller dequeues it)."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self._requests[request.request_id]
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding blocks and being stepped."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (new or preempted)."""
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0.0 .. 1.0)."""
+        return self.kv_cache_manager.usage
+
+    @staticmethod
+    def _seats(request: Request) -> int:
+        """Running slots a request takes: ``n`` until it forks, then 1 per sequence."""
+        return request.n if request.n > 1 and not request.forked else 1
+
+    def _num_samples(self, request: Request, end: int) -> int:
+        """Tokens to sample after computing up to ``end``: 0 mid-prompt, ``n`` at a fork, else 1."""
+        return 0 if end < request.num_tokens else self._seats(request)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens a request with ``remaining`` tokens to compute may compute this step."""
+        if 0 < self.long_prefill_token_threshold < remaining:
+            remaining = self.long_prefill_token_threshold
+        return min(remaining, budget)
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: free the blocks, restart from token 0 at the front of the queue.
+
+        The output tokens are kept; the request later recomputes prompt + outputs (hitting its own
+        blocks in the prefix cache if they were not evicted meanwhile).
+        """
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and tokens; allocate their blocks.
+
+        Raises RuntimeError when the previous non-empty output was not passed to ``update`` yet.
+        """
+        # The whole algorithm. There is no prefill phase and no decode phase: every request has
+        # num_computed_tokens (K/V in the cache) catching up to num_tokens (prompt + outputs), and a
+        # step gives requests tokens out of a budget of max_num_batched_tokens (at most max_num_seqs
+        # requests). A request gets min(remaining tokens, remaining budget) tokens (chunked prefill;
+        # long_prefill_token_threshold caps it further), so a long prompt spreads over several steps
+        # while decodes (1 token each) ride along.
+        # 1. Running requests first, in queue order. When the blocks for one run out, preempt the
+        #    running request at the tail of the queue (the latest admitted) by recompute: free its
+        #    blocks, num_computed_tokens = 0, status PREEMPTED, FRONT of the waiting queue, outputs
+        #    kept; retry until the request fits. If the tail is the request itself, preempt it and
+        #    stop: everything behind it is already preempted.
+        # 2. Then, only if nobody was preempted this step, waiting requests in FIFO order (preempted
+        #    ones are at the front): apply prefix-cache hits (num_computed_tokens jumps past the
+        #    cached full blocks, always leaving >= 1 token to compute), then allocate. A waiting
+        #    request that cannot get blocks (or seats, or, without chunking, its whole prompt in the
+        #    budget) stays waiting and blocks the queue behind it: no preemption on its behalf.
+        # A chunk that reaches num_tokens samples: 1 token, or n the first time a request with n > 1
+        # gets there (update() forks it). num_computed_tokens advances here, optimistically.
+        if self._pending is not None:
+            raise RuntimeError("schedule() called before update() got the previous step's output")
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
+            request = self.running[i]
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = kv.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                block_ids = kv.allocate_slots(request, num_new)
+            if block_ids is None:
+                break
+            scheduled.append(self._advance(request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            seats = sum(self._seats(r) for r in self.running)
+            while self.waiting and budget > 0 and len(scheduled) < self.max_num_seqs:
+                request = self.waiting[0]
+                if seats + self._seats(request) > self.max_num_seqs:
+                    break
+                computed = kv.get_computed_blocks(request)
+                remaining = request.num_tokens - computed.num_tokens
+                num_new = self._chunk(remaining, budget)
+                if not self.enable_chunked_prefill and num_new < remaining:
+                    break
+                block_ids = kv.allocate_slots(request, num_new, computed)
+                if block_ids is None:
+                    break
+                self.waiting.popleft()
+                self.prefix_cache_query_tokens += request.num_tokens
+                self.prefix_cache_hit_tokens += computed.num_tokens
+                if request.num_preemptions == 0:
+                    request.num_cached_prompt_tokens = computed.num_tokens
+                request.num_computed_tokens = computed.num_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                seats += self._seats(request)
+                scheduled.append(self._advance(request, num_new, block_ids))
+                budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            block_copies=kv.take_block_copies(),
+            preempted_ids=preempted,
+        )
+        if scheduled:
+            self._pending = output
+        return output
+
+    def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+        """Describe the request's chunk and advance its ``num_computed_tokens`` past it."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request=request,
+            token_ids=_token_slice(request, start, end),
+            start_position=start,
+            block_ids=block_ids,
+            num_samples=self._num_samples(request, end),
+        )
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Take the step's sampled tokens: append, fork, check stop conditions, free finished requests.
+
+        :param output: the output of the last ``schedule()``.
+        :param sampled: for each request id scheduled with ``num_samples`` > 0, exactly that many
+            token ids (sample ``i`` of a fork goes to sequence ``"<id>#<i>"``, sample 0 to the
+            request itself). Requests finished or aborted since ``schedule()`` are skipped.
+        :return: the requests that got a token this step, new forks included, in schedule order;
+            those that finished have a finished status (and hold no blocks any more).
+        """
+        if output is not self._pending and output.scheduled:
+            raise RuntimeError("update() needs the output of the last schedule()")
+        self._pending = None
+        kv = self.kv_cache_manager
+        changed: list[Request] = []
+        any_finished = False
+        for s in output.scheduled:
+            request = s.request
+            if request.is_finished:  # finished or aborted while the step ran
+                continue
+            kv.cache_computed_blocks(request)  # the step ran: these blocks are computed now
+            if s.num_samples == 0:
+                continue
+            tokens = sampled[request.request_id]
+            if len(tokens) != s.num_samples:
+                raise ValueError(
+                    f"request {request.request_id!r} was to sample {s.num_samples} token(s), got {len(tokens)}"
+                )
+            group = [request]
+            if s.num_samples > 1:
+                group += self._fork(request, tokens[1:])
+            request.output_token_ids.append(tokens[0])
+            for r in group:
+                changed.append(r)
+                status = self._stop_status(r)
+                if status is not None:
+                    self._finish(r, status)
+                    any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return changed
+
+    def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
+        """Fork ``parent`` into ``len(first_tokens)`` more sequences sharing its blocks.
+
+        Child ``i`` (``"<id>#<i>"``) starts with the parent's outputs plus ``first_tokens[i - 1]`` and
+        runs right behind the parent.
+        """
+        parent.forked = True
+        children: list[Request] = []
+        for i, token in enumerate(first_tokens, start=1):
+            child = Request(
+                request_id=f"{parent.request_id}#{i}",
+                prompt_token_ids=parent.prompt_token_ids,  # never mutated: safe to share
+                stop=dataclasses.replace(parent.stop),
+                n=1,
+                sample_index=i,
+                parent_id=parent.request_id,
+                params=parent.params,
+                output_token_ids=[*parent.output_token_ids, token],
+                num_computed_tokens=parent.num_computed_tokens,
+                num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+                status=RequestStatus.RUNNING,
+                arrival_time=parent.arrival_time,
+                forked=True,
+            )
+            if child.request_id in self._requests:
+                raise RuntimeError(f"fork id {child.request_id!r} is already in use")
+            self.kv_cache_manager.fork(parent, child)
+            self._requests[child.request_id] = child
+            children.append(child)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        return children
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        """The finished status the last appended token leads to, or None to keep going.
+
+        Stop and eos tokens count only from output index ``min_tokens`` on, and win over the
+        length limits when both apply to the same token.
+        """
+        stop = request.stop
+        output = request.output_token_ids
+        if len(output) > stop.min_tokens:
+            last = output[-1]
+            if last in stop.stop_token_ids or (not stop.ignore_eos and last in stop.eos_token_ids):
+                return RequestStatus.FINISHED_STOPPED
+        if len(output) >= stop.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,130 @@
+"""The CPU backend object: probe, capabilities and kernel factories."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+import torch
+from plinth.platform.backend import (
+    AttentionKernels,
+    AttentionSpec,
+    Backend,
+    Capabilities,
+    DeviceServices,
+    GemmKernels,
+    KVCacheLayout,
+    NotSupported,
+    Probe,
+    torch_dtype,
+)
+
+from plinth_cpu.attention import CpuAttention
+from plinth_cpu.gemm import CpuGemm
+
+try:
+    __version__ = metadata.version("plinth-cpu")
+except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.1.0"
+
+#: Score on a host with a SIMD unit torch's kernels use; far above the reference's 1.
+SIMD_SCORE = 50
+#: Score without any SIMD feature found: still better than the one-sequence-at-a-time reference.
+SCALAR_SCORE = 10
+
+#: ISA features looked for in /proc/cpuinfo, as (name reported, flags that imply it).
+_ISA_FLAGS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("avx2", frozenset({"avx2"})),
+    ("avx512f", frozenset({"avx512f"})),
+    ("amx", frozenset({"amx_tile", "amx_bf16", "amx_int8"})),
+    ("neon", frozenset({"neon", "asimd"})),  # aarch64 kernels report Advanced SIMD as "asimd"
+)
+
+
+def _read_cpuinfo(path: str = "/proc/cpuinfo") -> str:
+    """The text of /proc/cpuinfo, or "" where there is none (macOS, Windows, sandboxes)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The CPU's marketing name: /proc/cpuinfo "model name" (x86), else ``platform.processor()``."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def isa_features(cpuinfo: str) -> list[str]:
+    """SIMD features named in the "flags" (x86) or "Features" (Arm) lines of ``cpuinfo``."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return [name for name, implied in _ISA_FLAGS if flags & implied]
+
+
+class CpuBackend(Backend):
+    """Vectorised torch kernels on the host CPU: fp32 (fastest here), bf16/fp16 with fp32 attention."""
+
+    name = "cpu"
+    version = __version__
+    api_version = (1, 0)
+    description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
+
+    def __init__(self) -> None:
+        dtypes = frozenset({"float32", "float64", "bfloat16", "float16"})
+        self._services = DeviceServices(torch.device("cpu"))
+        self._caps = Capabilities(
+            dtypes=dtypes,
+            kv_cache_dtypes=dtypes,
+            head_sizes=frozenset({32, 64, 80, 96, 112, 128, 160, 192, 256}),
+            block_sizes=(8, 16, 32, 64, 128),
+            max_gqa_ratio=None,
+            features=frozenset({"sliding_window", "logits_soft_cap"}),
+            kv_cache_layout=KVCacheLayout(),
+        )
+
+    def probe(self) -> Probe:
+        """Score the host CPU; never raises (no /proc/cpuinfo just means fewer details)."""
+        info = _read_cpuinfo()
+        model = cpu_model(info)
+        features = isa_features(info)
+        capability = torch.backends.cpu.get_cpu_capability()  # what torch's kernels dispatch to
+        reasons = [
+            f"CPU: {model}",
+            f"ISA features: {', '.join(features) if features else 'none of avx2/avx512f/amx/neon found'}",
+            f"torch kernels use {capability}, {torch.get_num_threads()} threads",
+        ]
+        if features or capability != "DEFAULT":
+            score = SIMD_SCORE
+        else:
+            score = SCALAR_SCORE
+            reasons.append("no SIMD found: usable, but slow")
+        return Probe(score=score, reasons=tuple(reasons), device_name=model)
+
+    def capabilities(self) -> Capabilities:
+        """Dtypes, head sizes, block sizes and features this backend's kernels run."""
+        return self._caps
+
+    def device_services(self) -> DeviceServices:
+        """The host CPU's device services (memory from sysconf, no-op synchronize)."""
+        return self._services
+
+    def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
+        """:class:`CpuAttention` for ``spec``; :class:`NotSupported` with reasons otherwise."""
+        reasons = self._caps.unsupported(spec)
+        if reasons:
+            raise NotSupported(self.name, "attention", reasons)
+        return CpuAttention(spec, self._caps.kv_cache_layout)
+
+    def gemm_kernels(self, dtype: str) -> GemmKernels:
+        """:class:`CpuGemm` computing in ``dtype``."""
+        if dtype not in self._caps.dtypes:
+            raise NotSupported(self.name, f"GEMM in {dtype}", f"supported: {sorted(self._caps.dtypes)}")
+        return CpuGemm(torch_dtype(dtype))
