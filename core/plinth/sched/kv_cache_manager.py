@@ -6,7 +6,7 @@ requests in and gets block ids (plain ints) or ``None`` back: "cannot allocate" 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from plinth.sched.block_pool import BlockPool, KVBlock
 from plinth.sched.prefix_cache import HashPrefixCache, NoPrefixCache, PrefixCache
@@ -20,8 +20,8 @@ class ComputedBlocks:
     Valid only until the next call that changes the pool: pass it straight to ``allocate_slots``.
     """
 
-    blocks: list[KVBlock] = field(default_factory=list)
-    block_size: int = 1
+    blocks: list[KVBlock]
+    block_size: int
 
     @property
     def num_tokens(self) -> int:

@@ -75,6 +75,8 @@ class Scheduler:
             )
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+        if long_prefill_token_threshold and not enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold splits prompts: it needs chunked prefill")
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -86,9 +88,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._pending: SchedulerOutput | None = None  # scheduled, not yet passed to update()
-        self.num_preemptions_total = 0
-        self.prefix_cache_query_tokens = 0
-        self.prefix_cache_hit_tokens = 0
+        self.num_preemptions_total = 0  # preemptions since start
+        self.prefix_cache_query_tokens = 0  # tokens of requests admitted (preempted ones again)
+        self.prefix_cache_hit_tokens = 0  # of those, tokens found in the prefix cache
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -112,12 +114,18 @@ class Scheduler:
         if not 1 <= request.n <= self.max_num_seqs:
             raise ValueError(f"request {rid!r}: n={request.n} must be in 1..max_num_seqs={self.max_num_seqs}")
         ids = [rid] + [f"{rid}#{i}" for i in range(1, request.n)]
-        taken = [i for i in ids if i in self._requests]
+        taken = [i for i in ids if i in self._requests or self._is_future_fork_id(i)]
         if taken:
             raise ValueError(f"request id(s) {taken} already in use")
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
         self.waiting.append(request)
+
+    def _is_future_fork_id(self, request_id: str) -> bool:
+        """True for ``"<id>#<i>"`` when request ``<id>`` will still fork into an ``i``-th sequence."""
+        base, sep, index = request_id.rpartition("#")
+        parent = self._requests.get(base) if sep and index.isdigit() else None
+        return parent is not None and not parent.forked and 0 < int(index) < parent.n
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -233,11 +241,24 @@ class Scheduler:
         # gets there (update() forks it). num_computed_tokens advances here, optimistically.
         if self._pending is not None:
             raise RuntimeError("schedule() called before update() got the previous step's output")
-        kv = self.kv_cache_manager
-        budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, preempted)
+        if not preempted:  # admitting now would hand the blocks just freed to someone else
+            budget = self._schedule_waiting(budget, scheduled)
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            block_copies=self.kv_cache_manager.take_block_copies(),
+            preempted_ids=preempted,
+        )
+        if scheduled:
+            self._pending = output
+        return output
 
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+        """Step 1 of ``schedule()``: running requests, preempting from the tail. Returns the budget left."""
+        kv = self.kv_cache_manager
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
             request = self.running[i]
@@ -248,49 +269,41 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
-                    break
+                    return budget
                 block_ids = kv.allocate_slots(request, num_new)
-            if block_ids is None:
-                break
             scheduled.append(self._advance(request, num_new, block_ids))
             budget -= num_new
             i += 1
+        return budget
 
-        if not preempted:
-            seats = sum(self._seats(r) for r in self.running)
-            while self.waiting and budget > 0 and len(scheduled) < self.max_num_seqs:
-                request = self.waiting[0]
-                if seats + self._seats(request) > self.max_num_seqs:
-                    break
-                computed = kv.get_computed_blocks(request)
-                remaining = request.num_tokens - computed.num_tokens
-                num_new = self._chunk(remaining, budget)
-                if not self.enable_chunked_prefill and num_new < remaining:
-                    break
-                block_ids = kv.allocate_slots(request, num_new, computed)
-                if block_ids is None:
-                    break
-                self.waiting.popleft()
-                self.prefix_cache_query_tokens += request.num_tokens
-                self.prefix_cache_hit_tokens += computed.num_tokens
-                if request.num_preemptions == 0:
-                    request.num_cached_prompt_tokens = computed.num_tokens
-                request.num_computed_tokens = computed.num_tokens
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                seats += self._seats(request)
-                scheduled.append(self._advance(request, num_new, block_ids))
-                budget -= num_new
-
-        output = SchedulerOutput(
-            scheduled=scheduled,
-            num_batched_tokens=self.max_num_batched_tokens - budget,
-            block_copies=kv.take_block_copies(),
-            preempted_ids=preempted,
-        )
-        if scheduled:
-            self._pending = output
-        return output
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Step 2 of ``schedule()``: admit waiting requests in FIFO order. Returns the budget left."""
+        kv = self.kv_cache_manager
+        seats = sum(self._seats(r) for r in self.running)
+        while self.waiting and budget > 0 and len(scheduled) < self.max_num_seqs:
+            request = self.waiting[0]
+            if seats + self._seats(request) > self.max_num_seqs:
+                break
+            computed = kv.get_computed_blocks(request)
+            remaining = request.num_tokens - computed.num_tokens
+            num_new = self._chunk(remaining, budget)
+            if not self.enable_chunked_prefill and num_new < remaining:
+                break
+            block_ids = kv.allocate_slots(request, num_new, computed)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            self.prefix_cache_query_tokens += request.num_tokens
+            self.prefix_cache_hit_tokens += computed.num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = computed.num_tokens
+            request.num_computed_tokens = computed.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            seats += self._seats(request)
+            scheduled.append(self._advance(request, num_new, block_ids))
+            budget -= num_new
+        return budget
 
     def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         """Describe the request's chunk and advance its ``num_computed_tokens`` past it."""
@@ -328,10 +341,13 @@ class Scheduler:
             kv.cache_computed_blocks(request)  # the step ran: these blocks are computed now
             if s.num_samples == 0:
                 continue
-            tokens = sampled[request.request_id]
+            tokens = sampled.get(request.request_id)
+            if tokens is None:
+                raise ValueError(f"no sampled tokens for request {request.request_id!r}")
             if len(tokens) != s.num_samples:
                 raise ValueError(
-                    f"request {request.request_id!r} was to sample {s.num_samples} token(s), got {len(tokens)}"
+                    f"request {request.request_id!r} was to sample {s.num_samples} token(s), "
+                    f"got {len(tokens)}"
                 )
             group = [request]
             if s.num_samples > 1:

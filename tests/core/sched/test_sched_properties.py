@@ -1,0 +1,321 @@
+"""Property tests: random workloads against a fake model that reads its context back from a fake KV cache.
+
+The fake model keeps one ``(position, token)`` entry per KV slot. A step first writes every scheduled
+token into the slot its block table names (after applying the copy-on-write pairs), then, for each
+request that samples, reads its whole context back through its block table and returns a token that
+is a pure function of that context. So any bookkeeping bug (a wrong position, a stale or shared block
+overwritten, a bad prefix hit, a lost copy) changes some output, and every output can be checked
+against a reference that runs each request alone with no scheduler at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plinth.sched.output import SchedulerOutput
+from plinth.sched.request import Request, RequestStatus, StopCriteria
+from plinth.sched.scheduler import Scheduler
+
+VOCAB = 12
+EOS = 0
+STOP_TOKEN = 1
+
+
+def next_token(context: list[int], sample_index: int) -> int:
+    """The fake model: a pure function of the context (and of the sample index at a fork)."""
+    return hash((tuple(context), sample_index)) % VOCAB
+
+
+class FakeModel:
+    """A runner stand-in with a KV cache of ``(position, token)`` slots."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.bs = sched.block_size
+        self.kv: list[list[tuple[int, int] | None]] = [
+            [None] * self.bs for _ in range(sched.kv_cache_manager.pool.num_blocks)
+        ]
+
+    def step(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        pool = self.sched.kv_cache_manager.pool
+        for src, dst in out.block_copies:  # before the step, in order
+            self.kv[dst] = list(self.kv[src])
+        written: set[tuple[int, int]] = set()
+        for s in out.scheduled:
+            for k, token in enumerate(s.token_ids):
+                pos = s.start_position + k
+                block = s.block_ids[pos // self.bs]
+                assert block != 0, "wrote into the null block"
+                assert pool.block(block).ref_cnt == 1, f"wrote into shared block {block}"
+                assert pool.block(block).block_hash is None, f"wrote into cached block {block}"
+                slot = (block, pos % self.bs)
+                assert slot not in written, f"slot {slot} written twice in one step"
+                written.add(slot)
+                self.kv[block][pos % self.bs] = (pos, token)
+        sampled: dict[str, list[int]] = {}
+        for s in out.scheduled:
+            if s.num_samples == 0:
+                continue
+            end = s.start_position + len(s.token_ids)
+            context = []
+            for pos in range(end):
+                entry = self.kv[s.block_ids[pos // self.bs]][pos % self.bs]
+                assert entry is not None and entry[0] == pos, f"slot for position {pos} holds {entry}"
+                context.append(entry[1])
+            sampled[s.request.request_id] = [next_token(context, i) for i in range(s.num_samples)]
+        return sampled
+
+
+def reference_status(
+    prompt: list[int], out: list[int], stop: StopCriteria, max_model_len: int
+) -> RequestStatus | None:
+    if len(out) > stop.min_tokens and (
+        out[-1] in stop.stop_token_ids or (not stop.ignore_eos and out[-1] in stop.eos_token_ids)
+    ):
+        return RequestStatus.FINISHED_STOPPED
+    if len(out) >= stop.max_tokens or len(prompt) + len(out) >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def reference(
+    prompt: list[int], n: int, stop: StopCriteria, max_model_len: int
+) -> list[tuple[list[int], RequestStatus]]:
+    """Each sample's outputs and finish status, computed with no scheduler."""
+    results = []
+    for i in range(n):
+        out = [next_token(prompt, i)]
+        while (status := reference_status(prompt, out, stop, max_model_len)) is None:
+            out.append(next_token(prompt + out, 0))
+        results.append((out, status))
+    return results
+
+
+def check_state(s: Scheduler, after_update: bool) -> None:
+    """Invariants that hold between steps."""
+    kv = s.kv_cache_manager
+    pool = kv.pool
+    tables = kv.tables()
+    assert set(tables) == {r.request_id for r in s.running}
+    counts = [0] * pool.num_blocks
+    for table in tables.values():
+        assert len(set(table)) == len(table) and 0 not in table
+        for b in table:
+            counts[b] += 1
+    for b in range(1, pool.num_blocks):
+        assert pool.block(b).ref_cnt == counts[b], f"block {b}: ref {pool.block(b).ref_cnt} != {counts[b]}"
+        h = pool.block(b).block_hash
+        assert h is None or pool.lookup(h) is pool.block(b)
+    free = pool.free_block_ids()
+    assert sorted(free) == [b for b in range(1, pool.num_blocks) if counts[b] == 0]
+    assert pool.block(0).ref_cnt == 0 and 0 not in free
+    assert sum(s._seats(r) for r in s.running) <= s.max_num_seqs
+    for r in s.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING
+        assert len(tables[r.request_id]) * s.block_size >= r.num_computed_tokens
+        assert r.num_tokens <= s.max_model_len
+        if after_update:
+            assert r.num_computed_tokens < r.num_tokens
+    assert s.num_running + s.num_waiting == len(s._requests)
+
+
+def check_output(s: Scheduler, out: SchedulerOutput) -> None:
+    """Invariants of one step's output."""
+    assert out.num_batched_tokens == sum(len(x.token_ids) for x in out.scheduled)
+    assert out.num_batched_tokens <= s.max_num_batched_tokens
+    assert len(out.scheduled) <= s.max_num_seqs
+    assert len({x.request.request_id for x in out.scheduled}) == len(out.scheduled)
+    for x in out.scheduled:
+        r = x.request
+        end = x.start_position + len(x.token_ids)
+        assert x.token_ids and x.token_ids == r.all_token_ids[x.start_position : end]
+        assert r.num_computed_tokens == end  # advanced in schedule()
+        assert len(x.block_ids) * s.block_size >= end
+        assert x.block_ids == s.kv_cache_manager.block_ids(r.request_id)
+        if s.long_prefill_token_threshold:
+            assert len(x.token_ids) <= s.long_prefill_token_threshold
+        assert (x.num_samples > 0) == (end == r.num_tokens)
+        assert x.num_samples <= 1 or (x.num_samples == r.n and not r.forked)
+
+
+@dataclass
+class Arrival:
+    step: int
+    request: Request
+    abort_at: int | None
+    abort_mid_step: bool
+    abort_group: bool
+
+
+def run(s: Scheduler, arrivals: list[Arrival], max_steps: int = 3000) -> dict[str, Request]:
+    """Drive the scheduler with the fake model until every request is finished or aborted."""
+    model = FakeModel(s)
+    seen: dict[str, Request] = {}
+    pending = sorted(arrivals, key=lambda a: a.step)
+    step = 0
+
+    def aborts(mid: bool) -> None:
+        for a in arrivals:
+            if a.abort_at == step and a.abort_mid_step == mid and a.request.request_id in seen:
+                rid = a.request.request_id
+                if a.abort_group:
+                    s.abort_group(rid)
+                else:
+                    s.abort_request(rid)
+
+    while pending or s.has_unfinished():
+        while pending and pending[0].step <= step:
+            r = pending.pop(0).request
+            s.add_request(r)
+            seen[r.request_id] = r
+        aborts(mid=False)
+        out = s.schedule()
+        check_output(s, out)
+        check_state(s, after_update=False)
+        assert not out.is_empty or not s.has_unfinished(), "stalled with unfinished requests"
+        sampled = model.step(out)
+        aborts(mid=True)
+        changed = s.update(out, sampled)
+        for r in changed:
+            seen.setdefault(r.request_id, r)
+            assert r.output_token_ids
+        check_state(s, after_update=True)
+        step += 1
+        assert step < max_steps, "requests did not finish in bounded steps"
+    return seen
+
+
+def check_results(s: Scheduler, arrivals: list[Arrival], seen: dict[str, Request]) -> None:
+    """No leaks, and every output equals (or, when aborted, is a prefix of) the reference."""
+    kv = s.kv_cache_manager
+    assert kv.num_requests == 0 and kv.num_free_blocks == kv.pool.num_usable_blocks
+    assert all(kv.pool.block(b).ref_cnt == 0 for b in range(kv.pool.num_blocks))
+    assert getattr(kv._prefix, "num_tracked_requests", 0) == 0
+    assert not s.waiting and not s.running
+    for a in arrivals:
+        r = a.request
+        ref = reference(r.prompt_token_ids, r.n, r.stop, s.max_model_len)
+        for i, (expected, status) in enumerate(ref):
+            got = seen.get(r.request_id if i == 0 else f"{r.request_id}#{i}")
+            if got is None:  # aborted before it forked
+                assert r.status == RequestStatus.FINISHED_ABORTED
+                continue
+            assert got.is_finished
+            if got.status == RequestStatus.FINISHED_ABORTED:
+                assert expected[: len(got.output_token_ids)] == got.output_token_ids
+            else:
+                assert (got.output_token_ids, got.status) == (expected, status), got.request_id
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[dict[str, int | bool], list[Arrival]]:
+    bs = draw(st.sampled_from([1, 2, 4]))
+    max_model_len = draw(st.integers(6, 20))
+    min_blocks = -(-max_model_len // bs) + 1
+    num_blocks = draw(st.integers(min_blocks, min_blocks + 6 // bs))  # small pools: preemption
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(1 if chunked else max_model_len, 2 * max_model_len))
+    max_num_seqs = draw(st.integers(1, 6))
+    config: dict[str, int | bool] = dict(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        enable_prefix_caching=draw(st.booleans()),
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])) if chunked else 0,
+    )
+    tokens = st.integers(2, VOCAB - 1)
+    bases = draw(st.lists(st.lists(tokens, max_size=12), min_size=1, max_size=3))
+    arrivals = []
+    for i in range(draw(st.integers(1, 8))):
+        base = draw(st.sampled_from(bases))
+        prompt = base[: draw(st.integers(0, len(base)))] + draw(st.lists(tokens, max_size=5))
+        prompt = (prompt or [2])[: max_model_len - 1]
+        stop = StopCriteria(
+            max_tokens=draw(st.integers(1, 12)),
+            eos_token_ids=frozenset({EOS}),
+            stop_token_ids=draw(st.sampled_from([frozenset(), frozenset({STOP_TOKEN})])),
+            ignore_eos=draw(st.booleans()),
+            min_tokens=draw(st.integers(0, 2)),
+        )
+        n = draw(st.integers(1, min(3, max_num_seqs)))
+        request = Request(request_id=f"r{i}", prompt_token_ids=prompt, stop=stop, n=n)
+        arrive = draw(st.integers(0, 6))
+        abort_at = draw(st.one_of(st.none(), st.none(), st.integers(arrive, arrive + 10)))
+        arrivals.append(Arrival(arrive, request, abort_at, draw(st.booleans()), draw(st.booleans())))
+    return config, arrivals
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_invariants_and_match_the_reference(
+    work: tuple[dict[str, int | bool], list[Arrival]],
+) -> None:
+    config, arrivals = work
+    s = Scheduler(**config)  # type: ignore[arg-type]
+    seen = run(s, arrivals)
+    check_results(s, arrivals, seen)
+
+
+def fixed_requests() -> list[Arrival]:
+    shared = [5, 6, 7, 8, 9, 10, 11, 2, 3]
+    prompts = [shared, shared + [4], shared[:5] + [3, 3], [7] * 11, shared, [9, 8, 7]]
+    out = []
+    for i, p in enumerate(prompts):
+        stop = StopCriteria(max_tokens=10, eos_token_ids=frozenset({EOS}), ignore_eos=i % 2 == 1)
+        out.append(Arrival(i // 2, Request(f"d{i}", list(p), stop, n=1 + (i == 1) * 2), None, False, False))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size", "budget", "max_num_seqs", "threshold", "caching"),
+    [
+        (200, 4, 256, 16, 0, True),  # everything at once
+        (200, 4, 1, 16, 0, True),  # one token per step
+        (200, 2, 5, 3, 0, False),  # odd chunks, few seats
+        (13, 2, 7, 8, 3, True),  # a tiny pool: preemption
+        (25, 1, 9, 4, 2, True),
+        (9, 4, 32, 8, 0, False),
+    ],
+)
+def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
+    num_blocks: int, block_size: int, budget: int, max_num_seqs: int, threshold: int, caching: bool
+) -> None:
+    s = Scheduler(num_blocks, block_size, budget, max_num_seqs, 24, caching, True, threshold)
+    arrivals = fixed_requests()
+    seen = run(s, arrivals)
+    check_results(s, arrivals, seen)
+    assert all(not r.request_id.startswith("d1#") or r.output_token_ids for r in seen.values())
+    if num_blocks < 20:
+        assert s.num_preemptions_total > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 50), min_size=1, max_size=30),
+    bs=st.sampled_from([1, 2, 3, 4, 8]),
+)
+def test_repeated_prompt_reuses_the_cached_blocks(prompt: list[int], bs: int) -> None:
+    s = Scheduler(num_blocks=50, block_size=bs, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=40)
+    first = Request("a", list(prompt), StopCriteria(max_tokens=2))
+    s.add_request(first)
+    out = s.schedule()
+    first_table = out.scheduled[0].block_ids
+    s.update(out, {"a": [1]})
+    s.update(s.schedule(), {"a": [2]})
+    assert first.is_finished
+    again = Request("b", list(prompt), StopCriteria(max_tokens=1))
+    s.add_request(again)
+    out = s.schedule()
+    x = out.scheduled[0]
+    expected_hit = (len(prompt) - 1) // bs * bs  # full blocks, leaving the last token to compute
+    assert x.start_position == expected_hit == again.num_cached_prompt_tokens
+    assert x.block_ids[: expected_hit // bs] == first_table[: expected_hit // bs]
+    assert x.num_samples == 1
