@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 _PREFERRED_BLOCK_SIZE = 16
 _DEFAULT_KV_FRACTION = 0.3  # of free memory, when the user does not size the cache
-_MAX_DEFAULT_KV_BYTES = 4 << 30
+_MAX_DEFAULT_KV_BYTES = 1 << 30
 
 
 class InvalidRequest(ValueError):
@@ -97,7 +97,16 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(source)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         specs = self.model.attention_specs()
-        num_blocks = self._num_blocks(specs, block_size, torch_dtype(kv_dtype).itemsize, services)
+        num_blocks = self._num_blocks(specs, block_size, torch_dtype(kv_dtype).itemsize)
+        fits = (num_blocks - 1) * block_size  # block 0 is the scheduler's null block
+        if fits < self.max_model_len:
+            if config.max_model_len is not None:
+                raise InvalidRequest(
+                    f"max_model_len {config.max_model_len} needs {self.max_model_len // block_size + 2} KV "
+                    f"blocks of {block_size} tokens; the cache holds {num_blocks}: enlarge it or shorten the context"
+                )
+            logger.warning("KV cache holds %d tokens: context length lowered to that", fits)
+            self.max_model_len = fits
         kv_caches = [backend.allocate_kv_cache(spec, num_blocks) for spec in specs]
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -122,7 +131,7 @@ class LLMEngine:
             dtype,
         )
 
-    def _num_blocks(self, specs: list, block_size: int, itemsize: int, services: object) -> int:
+    def _num_blocks(self, specs: list, block_size: int, itemsize: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = sum(2 * block_size * s.num_kv_heads * s.head_size * itemsize for s in specs)

@@ -1,0 +1,36 @@
+"""What a model forward needs besides its weights: the step's batch and the backend's kernels.
+
+The forward context is an argument, never global state: one object per step, built by the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, GemmKernels, SmallOps
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """One step's varlen batch and the KV caches the attention layers read and write."""
+
+    attn: AttentionMetadata  # the varlen batch
+    kv_caches: list[torch.Tensor]  # one per layer, made by Backend.allocate_kv_cache
+
+
+@dataclass(slots=True)
+class ModelKernels:
+    """The kernels a model is built with, resolved once at load time.
+
+    ``attention`` maps a layer's :class:`AttentionSpec` to its kernels (e.g.
+    ``backend.attention_kernels``); it is called once per distinct spec when the model is built.
+    ``device`` is where weights and rotary tables are placed.
+    """
+
+    gemm: GemmKernels
+    ops: SmallOps
+    attention: Callable[[AttentionSpec], AttentionKernels]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))

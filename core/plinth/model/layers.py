@@ -1,0 +1,188 @@
+"""Model building blocks that call the backend's kernels: Linear, RMSNorm, rotary, attention, MLP.
+
+Every layer works on flattened tokens ([T, ...]: all sequences of the step concatenated), so one
+call serves any mix of prefill chunks and decodes. Weights are plain tensors and
+:class:`LinearWeight` objects prepared by the backend's GEMM at load time, not ``nn.Parameter``:
+nothing here is trained.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from plinth.model.config import RopeScaling
+from plinth.model.context import ForwardContext, ModelKernels
+from plinth.platform.backend import AttentionKernels, LinearWeight
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` through the backend GEMM, on a weight prepared once at load time."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernels: ModelKernels) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bias
+        self.gemm = kernels.gemm
+        self.weight: LinearWeight | None = None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Prepare ``weight`` [N, K] (and ``bias`` [N]) with the backend GEMM."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight shape {tuple(weight.shape)} != expected {(self.out_features, self.in_features)}"
+            )
+        if (bias is not None) != self.has_bias:
+            raise ValueError(f"bias {'missing' if bias is None else 'unexpected'} for this layer")
+        self.weight = self.gemm.prepare(weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, K] -> [T, N]."""
+        if self.weight is None:
+            raise RuntimeError("Linear used before its weight was loaded")
+        return self.gemm.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the hidden dimension through ``SmallOps.rms_norm``."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: ModelKernels) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.ops = kernels.ops
+        self.weight: torch.Tensor | None = None
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Keep ``weight`` [hidden]."""
+        if tuple(weight.shape) != (self.hidden_size,):
+            raise ValueError(f"norm weight shape {tuple(weight.shape)} != expected ({self.hidden_size},)")
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, hidden] -> [T, hidden]."""
+        assert self.weight is not None, "RMSNorm used before its weight was loaded"
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] in fp32, computed exactly as transformers does."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "freq_factors":
+        factors = torch.tensor(scaling.freq_factors, dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"unsupported rope scaling type {scaling.rope_type!r}")
+    # Llama 3.1: long wavelengths are divided by factor, short ones kept, the band between blended
+    factor = scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX / HF "rotate_half" rotary embedding from a precomputed cos/sin table.
+
+    ``cos_sin`` is [max_positions, rotary_dim]: cos of every (position, frequency) in the first
+    half, sin in the second, the layout ``SmallOps.rotary`` reads. It stays fp32 whatever the model
+    dtype, so positions far into the context keep their precision.
+    """
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        kernels: ModelKernels,
+    ) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.ops = kernels.ops
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling)  # [rotary_dim / 2]
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, rd/2]
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(kernels.device)  # [P, rotary_dim]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, H, D] at ``positions`` [T] -> rotated [T, H, D]."""
+        return self.ops.rotary(x, positions, self.cos_sin, self.rotary_dim)
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache: fused QKV projection, rotary, KV write, attention, o_proj."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        out_bias: bool,
+        rotary: RotaryEmbedding,
+        attn_kernels: AttentionKernels,
+        kernels: ModelKernels,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, kernels)
+        self.o_proj = Linear(self.q_size, hidden_size, out_bias, kernels)
+        self.rotary = rotary
+        self.attn_kernels = attn_kernels
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``hidden`` [T, hidden] at ``positions`` [T] -> [T, hidden]."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rotary(q.view(num_tokens, self.num_heads, self.head_dim), positions)  # [T, H, D]
+        k = self.rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
+        # v is a strided slice of qkv; kernels may assume dense [T, Hkv, D]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        self.attn_kernels.write_kv(k.contiguous(), v, kv_cache, ctx.attn.slot_mapping)
+        out = self.attn_kernels.forward(q.contiguous(), kv_cache, ctx.attn, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: fused gate/up projection, ``silu(gate) * up``, down projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, kernels: ModelKernels) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels)
+        self.ops = kernels.ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, hidden] -> [T, hidden]."""
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        return self.down_proj(self.ops.silu_and_mul(gate_up))  # [T, I] -> [T, hidden]

@@ -1,0 +1,237 @@
+"""The Llama family: Llama 2/3 (llama3 rope scaling), Mistral (sliding window), SmolLM2 (GQA, tied
+embeddings) and Qwen2 (q/k/v bias). One graph; the differences are all in :class:`ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from plinth.model.config import ModelConfig
+from plinth.model.context import ForwardContext, ModelKernels
+from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from plinth.platform.backend import AttentionKernels, AttentionSpec, dtype_name
+
+# Checkpoint entries that are derived state, not weights: skipped without complaint.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint's tensors do not match the model: missing, unexpected or misshapen weights."""
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        attn: AttentionKernels,
+        kernels: ModelKernels,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = Attention(
+            layer_idx,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.attention_bias,
+            config.attention_out_bias,
+            rotary,
+            attn,
+            kernels,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``hidden`` [T, hidden] -> [T, hidden]."""
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over flattened varlen batches and a paged KV cache.
+
+    :param config: the model's shape.
+    :param kernels: the backend's GEMM, small ops and attention factory.
+    :param dtype: activation and weight dtype.
+    :param block_size: KV-cache block size (goes into every layer's :class:`AttentionSpec`).
+    :param kv_cache_dtype: KV-cache dtype name ("float32", ...).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        kernels: ModelKernels,
+        dtype: torch.dtype,
+        block_size: int,
+        kv_cache_dtype: str,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.kernels = kernels
+        self.dtype = dtype
+        self.device = kernels.device
+        self._specs = [
+            AttentionSpec(
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_size=config.head_dim,
+                block_size=block_size,
+                dtype=dtype_name(dtype),
+                kv_cache_dtype=kv_cache_dtype,
+                sliding_window=config.layer_sliding_window(i),
+            )
+            for i in range(config.num_layers)
+        ]
+        attn_by_spec: dict[AttentionSpec, AttentionKernels] = {}
+        for spec in self._specs:
+            if spec not in attn_by_spec:  # asked once per distinct spec: may raise NotSupported
+                attn_by_spec[spec] = kernels.attention(spec)
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, kernels
+        )
+        self.embed_tokens: torch.Tensor | None = None  # [V, hidden]
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, attn_by_spec[spec], kernels) for i, spec in enumerate(self._specs)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, kernels)
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """One :class:`AttentionSpec` per layer, for the engine to allocate KV caches."""
+        return list(self._specs)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids`` [T] at ``positions`` [T] -> final-norm hidden states [T, hidden].
+
+        Writes the step's K/V into ``ctx.kv_caches`` at ``ctx.attn.slot_mapping``.
+        """
+        assert self.embed_tokens is not None, "forward before load_weights"
+        hidden = self.embed_tokens.index_select(0, input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, ctx)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [S, hidden] (the rows that sample) -> logits [S, vocab]."""
+        return self.lm_head(hidden)
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face parameter name -> shape, for every weight :meth:`load_weights` needs."""
+        c = self.config
+        h, d = c.hidden_size, c.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (c.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        proj = {
+            "self_attn.q_proj": (c.num_heads * d, h, c.attention_bias),
+            "self_attn.k_proj": (c.num_kv_heads * d, h, c.attention_bias),
+            "self_attn.v_proj": (c.num_kv_heads * d, h, c.attention_bias),
+            "self_attn.o_proj": (h, c.num_heads * d, c.attention_out_bias),
+            "mlp.gate_proj": (c.intermediate_size, h, c.mlp_bias),
+            "mlp.up_proj": (c.intermediate_size, h, c.mlp_bias),
+            "mlp.down_proj": (h, c.intermediate_size, c.mlp_bias),
+        }
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            for name, (n_out, n_in, bias) in proj.items():
+                shapes[f"{p}{name}.weight"] = (n_out, n_in)
+                if bias:
+                    shapes[f"{p}{name}.bias"] = (n_out,)
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, fuse q/k/v and gate/up, and prepare every Linear.
+
+        :raises WeightLoadError: naming every missing, unexpected or misshapen weight.
+        """
+        expected = self.expected_weights()
+        tied = self.config.tie_word_embeddings
+        loaded: dict[str, torch.Tensor] = {}
+        unexpected: list[str] = []
+        misshapen: list[str] = []
+        seen_misshapen: set[str] = set()
+        for name, tensor in weights:
+            if _IGNORED.match(name) or (tied and name == "lm_head.weight"):
+                continue  # a tied checkpoint may still store the (identical) lm_head
+            shape = expected.get(name)
+            if shape is None:
+                unexpected.append(name)
+            elif tuple(tensor.shape) != shape:
+                misshapen.append(f"{name}: {tuple(tensor.shape)} (expected {shape})")
+                seen_misshapen.add(name)
+            else:
+                loaded[name] = tensor
+        missing = [n for n in expected if n not in loaded and n not in seen_misshapen]
+        if missing or unexpected or misshapen:
+            problems = []
+            for label, names in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("wrong shape", misshapen),
+            ):
+                if names:
+                    more = f" (+{len(names) - 8} more)" if len(names) > 8 else ""
+                    problems.append(f"{len(names)} {label}: {', '.join(names[:8])}{more}")
+            raise WeightLoadError(
+                f"checkpoint does not match {self.config.architecture} "
+                f"({self.config.num_layers} layers): " + "; ".join(problems)
+            )
+        self._assign(loaded)
+
+    def _assign(self, w: dict[str, torch.Tensor]) -> None:
+        """Move checked tensors into the layers, consuming ``w`` as it goes to bound peak memory."""
+
+        def take(name: str) -> torch.Tensor:
+            return w.pop(name).to(device=self.device, dtype=self.dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in w else None
+
+        def fused(names: list[str]) -> torch.Tensor:
+            return torch.cat([take(n) for n in names], dim=0)
+
+        def fused_bias(names: list[str]) -> torch.Tensor | None:
+            return fused(names) if names[0] in w else None
+
+        embed = take("model.embed_tokens.weight")
+        self.embed_tokens = embed
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
+            layer.self_attn.qkv_proj.load(
+                fused([n + ".weight" for n in qkv]), fused_bias([n + ".bias" for n in qkv])
+            )
+            layer.self_attn.o_proj.load(take(a + "o_proj.weight"), maybe(a + "o_proj.bias"))
+            m = p + "mlp."
+            gate_up = [m + "gate_proj", m + "up_proj"]
+            layer.mlp.gate_up_proj.load(
+                fused([n + ".weight" for n in gate_up]), fused_bias([n + ".bias" for n in gate_up])
+            )
+            layer.mlp.down_proj.load(take(m + "down_proj.weight"), maybe(m + "down_proj.bias"))
+            layer.input_layernorm.load(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))
+        self.norm.load(take("model.norm.weight"))
+        # tied: the embedding matrix is the lm_head weight, prepared through the GEMM like any other
+        self.lm_head.load(embed if self.config.tie_word_embeddings else take("lm_head.weight"))
+        assert not w, f"weights left unassigned: {sorted(w)}"

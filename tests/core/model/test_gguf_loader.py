@@ -1,0 +1,223 @@
+"""GGUF loading: a tiny GGUF written here the way llama.cpp's converter writes one (names, Q/K row
+permutation, metadata), loaded by plinth and compared with the Hugging Face model it came from;
+plus the default SmolLM2 Q4_1 file against transformers' own GGUF loader (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from model_helpers import allocate_caches, hf_logits, reference_kernels, run_step, save_tiny
+from plinth.model.gguf_loader import hf_name, unpermute_qk
+from plinth.model.gguf_reader import GGUFFile
+from plinth.model.loader import load_config, load_model, load_tokenizer, resolve_model
+from transformers import LlamaConfig, Qwen2Config
+
+PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 128, 250, 1, 64, 33]
+
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gguf_name(name: str) -> str:
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    base, kind = name.rsplit(".", 1)
+    if base in top:
+        return f"{top[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)
+    return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{kind}"
+
+
+def write_gguf(path: Path, hf: Any, arch: str) -> None:
+    """Write ``hf`` as an F32 GGUF the way llama.cpp's converter lays it out."""
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.detach().numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "config"),
+    [
+        ("llama", LlamaConfig(**_COMMON, tie_word_embeddings=True, rope_theta=100000.0)),
+        ("qwen2", Qwen2Config(**_COMMON, tie_word_embeddings=False)),
+    ],
+)
+def test_tiny_gguf_logits_match_hf(tmp_path: Path, arch: str, config: Any) -> None:
+    hf = save_tiny(config, tmp_path / "hf")
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, hf, arch)
+    source = resolve_model(str(path))
+    assert source.kind == "gguf"
+    model, cfg = load_model(source, reference_kernels(), torch.float32, 4, "float32")
+    assert cfg.tie_word_embeddings == config.tie_word_embeddings
+    assert cfg.attention_bias == (arch == "qwen2")
+    logits = run_step(model, allocate_caches(model, 1), [PROMPT], [0])
+    assert (logits - hf_logits(hf, PROMPT)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(("n_head", "n_kv"), [(4, 4), (4, 2), (9, 3)])
+def test_unpermute_inverts_llama_cpp_permute(n_head: int, n_kv: int) -> None:
+    head_dim, dim = 8, 12
+    q = torch.randn(n_head * head_dim, dim)
+    k = torch.randn(n_kv * head_dim, dim)
+    bias = torch.randn(n_kv * head_dim)
+    pq = torch.from_numpy(llama_cpp_permute(q.numpy(), n_head, n_head))
+    pk = torch.from_numpy(llama_cpp_permute(k.numpy(), n_head, n_kv))
+    pb = torch.from_numpy(llama_cpp_permute(bias.numpy(), n_head, n_kv))
+    assert not torch.equal(pq, q)
+    assert torch.equal(unpermute_qk(pq, n_head), q)
+    assert torch.equal(unpermute_qk(pk, n_kv), k)
+    assert torch.equal(unpermute_qk(pb, n_kv), bias)
+
+
+def test_gguf_name_mapping() -> None:
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match="blk.0.attn_q_norm.weight"):
+        hf_name("blk.0.attn_q_norm.weight")
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_dequantize_matches_gguf(tmp_path: Path, qtype: str) -> None:
+    """plinth's reader (torch fast paths for Q8_0/Q4_0/Q4_1) is bit-identical to gguf's numpy code."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    data = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    packed = gguf.quants.quantize(data, kind)
+    path = tmp_path / "q.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("t.weight", packed, raw_shape=packed.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    got = GGUFFile(path).tensor("t.weight")
+    assert got.shape == (48, 96) and got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), gguf.quants.dequantize(packed, kind))
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(bad)
+
+
+# -- the default model -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_source() -> Any:
+    pytest.importorskip("gguf")
+    try:
+        return resolve_model(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_default_model_config_from_metadata(default_source: Any) -> None:
+    cfg = load_config(default_source)
+    assert cfg.architecture == "LlamaForCausalLM"
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
+    assert cfg.max_position_embeddings == 8192 and cfg.bos_token_id == 1 and cfg.eos_token_ids == [2]
+
+
+def _transformers_gguf_model(path: Path) -> Any:
+    """transformers' fp32 model of a GGUF: from_pretrained when accelerate is there, else the same
+    conversion by hand (transformers' GGUF config, dequantization and Q/K un-permutation)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+        config = LlamaConfig(
+            **{k: v for k, v in parsed.items() if k not in ("model_type", "_model_name_or_path")}
+        )
+        model = LlamaForCausalLM(config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+        if config.tie_word_embeddings:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        model.load_state_dict(tensors, strict=True)
+        return model.float().eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_default_gguf_logits_match_transformers(default_source: Any) -> None:
+    model, _ = load_model(default_source, reference_kernels(), torch.float32, 16, "float32")
+    hf = _transformers_gguf_model(default_source.path)
+    tokenizer = load_tokenizer(default_source)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = tokenizer.encode(text)
+    ours = run_step(model, allocate_caches(model, 1), [prompt], [0])
+    theirs = hf_logits(hf, prompt)
+    assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+    assert (ours - theirs).abs().max().item() < 1e-3  # measured: 8e-5 (logits up to ~38)
