@@ -74,10 +74,20 @@ class Sampler:
         if random:
             r_idx = torch.tensor(random, dtype=torch.long, device=logits.device)
             probs = filtered_probs(logits.index_select(0, r_idx), [rows[i].params for i in random])
+            # argmax(p / Exp(1)) draws from p (the exponential race): one vectorised pass instead of
+            # a multinomial per row; seeded rows fill their noise from their own generator
+            noise = torch.empty_like(probs)
+            unseeded = []
             for j, i in enumerate(random):
                 row = rows[i]
-                gen = self._generator(row.key, row.seed) if row.seed is not None else None
-                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+                if row.seed is None:
+                    unseeded.append(j)
+                else:
+                    noise[j].exponential_(generator=self._generator(row.key, row.seed))
+            if unseeded:
+                u = torch.tensor(unseeded, dtype=torch.long, device=logits.device)
+                noise.index_copy_(0, u, torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_())
+            tokens[r_idx] = (probs / noise).argmax(dim=-1)
 
         token_list = tokens.tolist()
         results = []
@@ -121,6 +131,8 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     logits = logits / temps[:, None]
+    if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+        return torch.softmax(logits, dim=-1)  # no filter: skip the vocabulary sort
     vocab = logits.shape[-1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)

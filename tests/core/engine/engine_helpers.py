@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ def save_tiny_folder(kind: str, folder: Path) -> Any:
             elif "embed" in name:
                 p.mul_(20.0)  # wider logit gaps: greedy ties between near-equal tokens are noise
     model.save_pretrained(folder, safe_serialization=True)
-    load_tokenizer(resolve_model(None)).backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}')
+    smol = load_tokenizer(resolve_model(None))
+    smol.backend.save(str(folder / "tokenizer.json"))
+    tok_config = {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": smol.chat_template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return model

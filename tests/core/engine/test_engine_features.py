@@ -1,0 +1,153 @@
+"""Engine features on a tiny model: stops, n > 1, seeds, logprobs, metrics, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from engine_helpers import save_tiny_folder
+from plinth import LLM, SamplingParams
+from plinth.engine import InvalidRequest
+from plinth.platform.host import BackendError
+from pydantic import ValidationError
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_folder("llama", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(folder: Path) -> LLM:
+    return LLM(model=str(folder), backend="cpu", num_kv_blocks=256, block_size=16)
+
+
+def _greedy(n: int = 24, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def test_max_tokens_and_length_finish(llm: LLM) -> None:
+    [out] = llm.generate("hello world", _greedy(5))
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].finish_reason == "length"
+    assert out.finished and out.metrics.time_to_first_token is not None
+    assert out.metrics.num_prompt_tokens == len(llm.tokenizer.encode("hello world"))
+
+
+def test_stop_token_ids_and_stop_strings(llm: LLM) -> None:
+    base = llm.generate("hello world", _greedy(24))[0].outputs[0]
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate("hello world", _greedy(24, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+    stop_text = llm.tokenizer.decode(base.token_ids[8:10]).strip()
+    assert stop_text, "the tiny model generated only whitespace"
+    out = llm.generate("hello world", _greedy(24, stop=[stop_text]))[0].outputs[0]
+    assert stop_text not in out.text and base.text.startswith(out.text)
+    assert out.finish_reason == "stop" and out.stop_reason == stop_text
+    kept = llm.generate("hello world", _greedy(24, stop=[stop_text], include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text.endswith(stop_text)
+
+
+def test_eos_stops_unless_ignored(llm: LLM) -> None:
+    base = llm.generate("hello world", _greedy(12))[0].outputs[0]
+    llm.engine.tokenizer.eos_token_ids.append(base.token_ids[3])
+    try:
+        out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) <= 4
+        out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12, min_tokens=8))[0].outputs[0]
+        assert len(out.token_ids) >= 8
+    finally:
+        llm.engine.tokenizer.eos_token_ids.pop()
+
+
+def test_n_completions_share_the_prompt_and_seeds_reproduce(llm: LLM) -> None:
+    params = SamplingParams(n=4, temperature=50.0, seed=7, max_tokens=16, ignore_eos=True)
+    [a] = llm.generate("the weather today", params)
+    [b] = llm.generate(["unrelated prompt first", "the weather today"], params)[1:]
+    assert [c.index for c in a.outputs] == [0, 1, 2, 3]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+    assert all(len(c.token_ids) == 16 for c in a.outputs)
+    # the n = 1 request with seed s + k draws what completion k of the n-request drew
+    [single] = llm.generate("the weather today", SamplingParams(temperature=50.0, seed=9, max_tokens=16, ignore_eos=True))
+    assert single.outputs[0].token_ids == a.outputs[2].token_ids
+
+
+def test_greedy_n_gives_identical_completions(llm: LLM) -> None:
+    [out] = llm.generate("hello", SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True))
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 1
+
+
+def test_logprobs(llm: LLM) -> None:
+    [out] = llm.generate("hello world", _greedy(6, logprobs=3))
+    lps = out.outputs[0].logprobs
+    assert lps is not None and len(lps) == 6
+    for tok, lp in zip(out.outputs[0].token_ids, lps, strict=True):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert lp.top[0][0] == tok  # greedy: the chosen token is the most likely one
+        assert len(lp.top) == 3 and lp.top[0][1] == pytest.approx(lp.logprob)
+
+
+def test_chat_uses_the_template(llm: LLM) -> None:
+    [out] = llm.chat([{"role": "user", "content": "Hi"}], _greedy(4))
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("good", "a fine prompt", _greedy(8))
+    with pytest.raises(InvalidRequest, match=r"prompt has \d+ tokens; the context length is 512"):
+        engine.add_request("long", list(range(100, 700)), _greedy(8))
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request("empty", [], _greedy(8))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.add_request("oov", [5, 10**7], _greedy(8))
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("good", "again", _greedy(8))
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["good"]
+    assert len(finished[0].outputs[0].token_ids) == 8
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_blocks - 1
+
+
+def test_abort_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("a", "some prompt to abort", _greedy(50))
+    engine.step()
+    engine.abort_request("a")
+    assert not engine.has_unfinished()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_blocks - 1
+
+
+def test_bad_engine_options(folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        LLM(model="no/such/model")
+    with pytest.raises(BackendError, match="unknown backend 'warp-drive'"):
+        LLM(model=str(folder), backend="warp-drive")
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        LLM(model=str(folder), max_num_seqs=0)
+    with pytest.raises(ValidationError, match="no_such_option"):
+        LLM(model=str(folder), no_such_option=1)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    for f in ("model.safetensors", "tokenizer.json"):
+        (bad / f).write_bytes((folder / f).read_bytes())
+    with pytest.raises(ValueError, match="MambaForCausalLM.*LlamaForCausalLM"):
+        LLM(model=str(bad))
+
+
+def test_sampling_param_errors_name_the_field(llm: LLM) -> None:
+    with pytest.raises(ValidationError, match="top_p"):
+        llm.generate("x", SamplingParams(top_p=2.0))

@@ -1,0 +1,196 @@
+"""The CPU backend object: plugin registration, probe, capabilities, GEMM and device services."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pluggy
+import pytest
+import torch
+from plinth import hookspecs
+from plinth.platform.backend import AttentionSpec, NotSupported, SmallOps
+from plinth.platform.reference import REFERENCE_SCORE, ReferenceBackend, ReferenceGemm
+from plinth_cpu import CpuBackend, __version__, backend, plugin
+from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
+from plinth_cpu.gemm import CpuGemm
+
+PYPROJECT = Path(__file__).parents[3] / "plugins" / "cpu" / "pyproject.toml"
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512bw amx_bf16 amx_tile amx_int8
+"""
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 50.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp
+CPU implementer\t: 0x41
+"""
+
+
+def test_pyproject_declares_the_entry_point() -> None:
+    """``plinth.backends`` -> ``cpu = plinth_cpu.plugin``, the module the host loads."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert project["entry-points"]["plinth.backends"] == {"cpu": "plinth_cpu.plugin"}
+
+
+def test_plugin_module_registers_through_pluggy() -> None:
+    """The entry-point module passes ``check_pending`` and its hook returns one CPU backend."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    pm.register(plugin, name="cpu")
+    pm.check_pending()
+    (backends,) = pm.hook.plinth_register_backends()
+    assert [type(b) for b in backends] == [CpuBackend]
+    assert backends[0].name == "cpu"
+    assert backends[0].api_version[0] == hookspecs.PLUGIN_API_VERSION[0]
+
+
+def test_installed_entry_point_loads_when_installed() -> None:
+    """Where plinth-cpu is installed, its entry point resolves to the plugin module."""
+    found = [ep for ep in entry_points(group=hookspecs.PROJECT_NAME) if ep.name == "cpu"]
+    if not found:
+        pytest.skip("plinth-cpu is not installed in this environment")
+    assert found[0].load() is plugin
+
+
+def test_version_comes_from_package_metadata() -> None:
+    """Installed: the distribution's version; from a bare source tree: 0.1.0."""
+    assert CpuBackend.version == __version__
+    assert __version__.count(".") >= 2
+
+
+def test_probe_scores_above_reference_and_explains() -> None:
+    """On this host: a usable score above the oracle's, with model, ISA and threads in the reasons."""
+    probe = CpuBackend().probe()
+    assert probe.score > REFERENCE_SCORE
+    assert probe.score > ReferenceBackend().probe().score
+    text = " | ".join(probe.reasons)
+    assert "CPU:" in text and "ISA features:" in text
+    assert f"{torch.get_num_threads()} threads" in text
+    assert probe.device_name and not probe.emulation
+
+
+def test_probe_reads_x86_and_arm_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    """avx2 / avx512f / amx from x86 "flags", neon from Arm "Features" (asimd)."""
+    assert backend.cpu_model(X86_CPUINFO) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert backend.isa_features(X86_CPUINFO) == ["avx2", "avx512f", "amx"]
+    assert backend.isa_features(ARM_CPUINFO) == ["neon"]
+    monkeypatch.setattr(backend, "_read_cpuinfo", lambda: X86_CPUINFO)
+    probe = CpuBackend().probe()
+    assert probe.score == backend.SIMD_SCORE
+    assert probe.device_name == "Intel(R) Xeon(R) Platinum 8480+"
+    assert any("avx2, avx512f, amx" in r for r in probe.reasons)
+
+
+def test_probe_without_cpuinfo_or_simd_still_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No /proc/cpuinfo and a scalar torch build: a lower score, still above the reference."""
+    monkeypatch.setattr(backend, "_read_cpuinfo", lambda: "")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    probe = CpuBackend().probe()
+    assert REFERENCE_SCORE < probe.score < backend.SIMD_SCORE
+    assert any("no SIMD" in r for r in probe.reasons)
+    assert probe.device_name  # platform.processor()/machine() fallback
+
+
+def test_read_cpuinfo_missing_file_is_empty(tmp_path: Path) -> None:
+    """A host without /proc: no exception, just no details."""
+    assert backend._read_cpuinfo(str(tmp_path / "nope")) == ""
+
+
+def test_capabilities() -> None:
+    """The declared envelope: dtypes, head/block sizes, features, head-major layout."""
+    caps = CpuBackend().capabilities()
+    assert {"float32", "bfloat16", "float16"} <= caps.dtypes
+    assert caps.kv_cache_dtypes == caps.dtypes
+    assert {32, 64, 80, 96, 112, 128, 160, 192, 256} <= caps.head_sizes
+    assert caps.block_sizes == (8, 16, 32, 64, 128)
+    assert caps.max_gqa_ratio is None
+    assert caps.features == {"sliding_window", "logits_soft_cap"}
+    assert caps.kv_cache_layout == CPU_KV_LAYOUT
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        (AttentionSpec(8, 2, 100, 16), "head size 100"),
+        (AttentionSpec(8, 2, 64, 12), "block size 12"),
+        (AttentionSpec(8, 3, 64, 16), "not a multiple"),
+    ],
+)
+def test_attention_kernels_refuse_undeclared_cases(spec: AttentionSpec, needle: str) -> None:
+    """An undeclared case raises NotSupported naming the backend and the reason."""
+    with pytest.raises(NotSupported, match=needle) as info:
+        CpuBackend().attention_kernels(spec)
+    assert info.value.backend == "cpu"
+
+
+def test_attention_kernels_for_declared_cases() -> None:
+    """Every declared feature combination builds kernels on the declared layout."""
+    spec = AttentionSpec(32, 8, 128, 16, "bfloat16", "bfloat16", sliding_window=4096, logits_soft_cap=50.0)
+    kernels = CpuBackend().attention_kernels(spec)
+    assert isinstance(kernels, CpuAttention)
+    assert kernels.layout == CPU_KV_LAYOUT
+
+
+def test_allocate_kv_cache_follows_the_layout() -> None:
+    """[2, num_blocks, Hkv, block_size, D] in the kv-cache dtype, on the CPU."""
+    cache = CpuBackend().allocate_kv_cache(AttentionSpec(8, 2, 64, 16, kv_cache_dtype="bfloat16"), 10)
+    assert cache.shape == (2, 10, 2, 16, 64)
+    assert cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+
+
+def test_gemm_refuses_undeclared_dtype() -> None:
+    """An unknown compute dtype is a NotSupported, not a KeyError."""
+    with pytest.raises(NotSupported, match="GEMM in int8"):
+        CpuBackend().gemm_kernels("int8")
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemm_float32_matches_reference(with_bias: bool) -> None:
+    """prepare keeps [N, K] contiguous in the compute dtype; linear equals x @ w.T + b."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 80, generator=gen)
+    b = torch.randn(48, generator=gen) if with_bias else None
+    x = torch.randn(5, 80, generator=gen)
+    gemm = CpuBackend().gemm_kernels("float32")
+    assert isinstance(gemm, CpuGemm)
+    prepared = gemm.prepare(w.t().contiguous().t(), b)  # a strided weight comes out contiguous
+    assert prepared.weight is not None and prepared.weight.is_contiguous()
+    assert (prepared.out_features, prepared.in_features) == (48, 80)
+    ref = ReferenceGemm(torch.float32)
+    torch.testing.assert_close(gemm.linear(x, prepared), ref.linear(x, ref.prepare(w, b)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gemm_half_precision_is_close_to_fp32(dtype: str) -> None:
+    """A half-precision GEMM keeps the weight in that dtype and stays near the fp32 result."""
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    gemm = CpuBackend().gemm_kernels(dtype)
+    prepared = gemm.prepare(w, b)
+    assert prepared.weight is not None and prepared.weight.dtype == getattr(torch, dtype)
+    out = gemm.linear(x.to(prepared.weight.dtype), prepared)
+    assert out.dtype == prepared.weight.dtype
+    torch.testing.assert_close(out.float(), x @ w.t() + b, rtol=3e-2, atol=1e-1)
+
+
+def test_linear_without_dense_weight_is_a_clear_error() -> None:
+    """A weight in a format this GEMM did not prepare is named in the error."""
+    prepared = CpuGemm(torch.float32).prepare(torch.ones(2, 2), None)
+    prepared.weight, prepared.format = None, "q4_1"
+    with pytest.raises(ValueError, match="q4_1"):
+        CpuGemm(torch.float32).linear(torch.ones(1, 2), prepared)
+
+
+def test_device_services_and_small_ops() -> None:
+    """Host CPU services; the small ops are the plain-torch defaults."""
+    be = CpuBackend()
+    services = be.device_services()
+    assert services.device == torch.device("cpu")
+    free, total = services.memory_info()
+    assert 0 < free <= total
+    assert type(be.small_ops()) is SmallOps
