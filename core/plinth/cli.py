@@ -209,7 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plinth`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose_log else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose_log else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     from plinth.engine import InvalidRequest
 
     try:

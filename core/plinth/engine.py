@@ -149,9 +149,7 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-    ) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Validate and queue a request.
 
         :raises InvalidRequest: empty or over-long prompt, a token id outside the vocabulary, or a
@@ -194,7 +192,11 @@ class LLMEngine:
         )
         request = Request(request_id, prompt_ids, stop, n=params.n, params=params)
         self._groups[request_id] = _Group(
-            request_id, text, prompt_ids, params, RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids))
+            request_id,
+            text,
+            prompt_ids,
+            params,
+            RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids)),
         )
         self._add_sequence(request_id, request_id, 0)
         self.scheduler.add_request(request)

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="empty-body"
 """The plinth plugin contract.
 
 Every hook a backend plugin may implement is specified here, and only here. A plugin is a module (or

@@ -26,7 +26,11 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, backend: str | None = None, host: PluginHost | None = None, **kwargs: Any
+        self,
+        model: str | None = None,
+        backend: str | None = None,
+        host: PluginHost | None = None,
+        **kwargs: Any,
     ) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, backend=backend, **kwargs), host=host)
         self._ids = itertools.count()
@@ -48,9 +52,11 @@ class LLM:
         :param on_output: called with every intermediate output (for streaming or progress).
         :raises plinth.engine.InvalidRequest: a prompt is refused; none of this call's requests run.
         """
+        prompt_list: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:
@@ -74,7 +80,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate its reply."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations: list[list[Message]] = [messages] if single else messages  # type: ignore[list-item,assignment]
         prompts = [
             self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             for conv in conversations

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
-from plinth.sampler import SampleResult, Sampler, SampleRow
+from plinth.sampler import Sampler, SampleResult, SampleRow
 from plinth.sched.output import SchedulerOutput
 
 
@@ -22,12 +23,20 @@ class BatchInputs:
     last_token_index: torch.Tensor  # [B] index into T of each sequence's last token
 
 
+class CausalLM(Protocol):
+    """What the runner needs of a model: a flattened forward and the logits head."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class ModelRunner:
     """Owns the model and the KV caches; runs one scheduled step at a time."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         kv_caches: list[torch.Tensor],
         attention: AttentionKernels,
         services: DeviceServices,

@@ -62,9 +62,7 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # transformers' templates expect json.dumps semantics (not jinja's HTML-escaping tojson)
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -74,9 +72,7 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     """A chat template compiled in a sandbox, with the helpers Hugging Face templates use."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -175,11 +171,7 @@ class Tokenizer:
                 "supported: 'gpt2' (byte-level BPE). Use the model's Hugging Face folder instead."
             )
         backend = _gguf_byte_level_bpe(metadata)
-        eos = [
-            metadata[k]
-            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-            if k in metadata
-        ]
+        eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in metadata]
         return cls(
             backend,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
@@ -261,9 +253,7 @@ class IncrementalDetokenizer:
     emitted, so a multi-byte character split across tokens appears whole, once.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.output_ids: list[int] = []

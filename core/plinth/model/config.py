@@ -87,9 +87,7 @@ class ModelConfig:
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} kv heads"
-            )
+            raise ValueError(f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} kv heads")
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx``, or None when it attends to the whole context."""
@@ -170,18 +168,12 @@ class ModelConfig:
         head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // num_heads)
         rotary_dim = int(metadata.get(f"{arch}.rope.dimension_count") or head_dim)
         if rotary_dim != head_dim:
-            raise ValueError(
-                f"partial rotary ({rotary_dim} of {head_dim} dims) is not supported{_where(source)}"
-            )
+            raise ValueError(f"partial rotary ({rotary_dim} of {head_dim} dims) is not supported{_where(source)}")
         tokens = metadata.get("tokenizer.ggml.tokens")
         vocab_size = metadata.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
         if vocab_size is None:
             raise ValueError(f"GGUF metadata states no vocabulary size{_where(source)}")
-        eos = [
-            metadata[k]
-            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-            if k in metadata
-        ]
+        eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in metadata]
         window = metadata.get(f"{arch}.attention.sliding_window")
         num_layers = int(key("block_count"))
         return cls(
@@ -238,9 +230,7 @@ def _hf_rope(cfg: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | 
     theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in _ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}{_where(source)}; supported: {list(_ROPE_TYPES)}"
-        )
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}{_where(source)}; supported: {list(_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
     if rope_type == "linear":
@@ -270,9 +260,7 @@ def _hf_sliding_window(
     if architecture == "Qwen2ForCausalLM":
         # Qwen2 slides only from layer max_window_layers on (as transformers computes layer_types)
         first = int(cfg.get("max_window_layers", 0))
-        return int(window), tuple(
-            SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)
-        )
+        return int(window), tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers))
     return int(window), (SLIDING_ATTENTION,) * num_layers
 
 
@@ -282,6 +270,4 @@ def _gguf_rope(metadata: Mapping[str, Any], arch: str, source: str) -> RopeScali
         return None
     if rope_type == "linear":
         return RopeScaling("linear", factor=float(metadata[f"{arch}.rope.scaling.factor"]))
-    raise ValueError(
-        f"unsupported GGUF rope scaling type {rope_type!r}{_where(source)}; supported: ['linear']"
-    )
+    raise ValueError(f"unsupported GGUF rope scaling type {rope_type!r}{_where(source)}; supported: ['linear']")

@@ -113,9 +113,7 @@ class GGUFFile:
             nbytes = prod(shape) // block * block_bytes
             self.tensors[name] = GGUFTensorInfo(name, shape, qtype, data_start + rel, nbytes)
             if data_start + rel + nbytes > len(self._map):
-                raise GGUFFormatError(
-                    f"{self.path}: tensor {name} runs past the end of the file (truncated?)"
-                )
+                raise GGUFFormatError(f"{self.path}: tensor {name} runs past the end of the file (truncated?)")
 
     # -- header parsing ----------------------------------------------------------------------------
 

@@ -32,9 +32,7 @@ class Linear(nn.Module):
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Prepare ``weight`` [N, K] (and ``bias`` [N]) with the backend GEMM."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"weight shape {tuple(weight.shape)} != expected {(self.out_features, self.in_features)}"
-            )
+            raise ValueError(f"weight shape {tuple(weight.shape)} != expected {(self.out_features, self.in_features)}")
         if (bias is not None) != self.has_bias:
             raise ValueError(f"bias {'missing' if bias is None else 'unexpected'} for this layer")
         self.weight = self.gemm.prepare(weight, bias)
@@ -93,9 +91,7 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) ->
     high_freq_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)

@@ -219,9 +219,7 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
-            layer.self_attn.qkv_proj.load(
-                fused([n + ".weight" for n in qkv]), fused_bias([n + ".bias" for n in qkv])
-            )
+            layer.self_attn.qkv_proj.load(fused([n + ".weight" for n in qkv]), fused_bias([n + ".bias" for n in qkv]))
             layer.self_attn.o_proj.load(take(a + "o_proj.weight"), maybe(a + "o_proj.bias"))
             m = p + "mlp."
             gate_up = [m + "gate_proj", m + "up_proj"]

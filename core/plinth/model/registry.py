@@ -23,9 +23,7 @@ class UnsupportedArchitecture(ValueError):
         self.architecture = architecture
         where = f" (from {source})" if source else ""
         names = supported if supported is not None else supported_architectures()
-        super().__init__(
-            f"unsupported model architecture {architecture!r}{where}; supported: {', '.join(names)}"
-        )
+        super().__init__(f"unsupported model architecture {architecture!r}{where}; supported: {', '.join(names)}")
 
 
 def supported_architectures() -> list[str]:

@@ -233,9 +233,7 @@ class SmallOps:
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    def rotary(
-        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int
-    ) -> torch.Tensor:
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
         """NeoX-style rotary embedding of ``x`` [T, H, D] at ``positions`` [T].
 
         ``cos_sin`` is [max_pos, rotary_dim] (cos in the first half, sin in the second); the first

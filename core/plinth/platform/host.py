@@ -131,7 +131,7 @@ class PluginHost:
             if impl.plugin_name != info.name:
                 continue
             try:
-                backends = list(impl.function())
+                backends: list[Backend] = list(impl.function())  # type: ignore[call-overload]
             except Exception as exc:
                 info.error = f"plinth_register_backends raised {_describe(exc)}"
                 logger.warning("plugin %s (%s): %s", info.name, info.dist_name, info.error)

@@ -80,7 +80,9 @@ def resolve_kernels(
                     return kernels
             if layout.dims != ReferenceAttention.default_layout().dims:
                 raise NotSupported(
-                    backend.name, "attention", [*err.reasons, "and its KV layout rules out the reference fallback"]
+                    backend.name,
+                    "attention",
+                    [*err.reasons, "and its KV layout rules out the reference fallback"],
                 ) from err
             fallback("attention", err)
             return ReferenceAttention(spec, layout)

@@ -346,8 +346,7 @@ class Scheduler:
                 raise ValueError(f"no sampled tokens for request {request.request_id!r}")
             if len(tokens) != s.num_samples:
                 raise ValueError(
-                    f"request {request.request_id!r} was to sample {s.num_samples} token(s), "
-                    f"got {len(tokens)}"
+                    f"request {request.request_id!r} was to sample {s.num_samples} token(s), got {len(tokens)}"
                 )
             group = [request]
             if s.num_samples > 1:

@@ -13,8 +13,9 @@ VOCAB = 49152  # the SmolLM2 tokenizer's
 
 def save_tiny_folder(kind: str, folder: Path) -> Any:
     """Save a tiny random ``kind`` ("llama": GQA + tied embeddings, "qwen2": qkv bias) with a tokenizer."""
-    from plinth.model.loader import load_tokenizer, resolve_model
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from plinth.model.loader import load_tokenizer, resolve_model
 
     common: dict[str, Any] = dict(
         vocab_size=VOCAB,

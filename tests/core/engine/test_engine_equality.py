@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from conftest import hf_greedy
 from engine_helpers import save_tiny_folder
+
 from plinth import LLM, SamplingParams
 
 NEW_TOKENS = 32

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import save_tiny_folder
+from pydantic import ValidationError
+
 from plinth import LLM, SamplingParams
 from plinth.engine import InvalidRequest
 from plinth.platform.host import BackendError
-from pydantic import ValidationError
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,9 @@ def test_n_completions_share_the_prompt_and_seeds_reproduce(llm: LLM) -> None:
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1
     assert all(len(c.token_ids) == 16 for c in a.outputs)
     # the n = 1 request with seed s + k draws what completion k of the n-request drew
-    [single] = llm.generate("the weather today", SamplingParams(temperature=50.0, seed=9, max_tokens=16, ignore_eos=True))
+    [single] = llm.generate(
+        "the weather today", SamplingParams(temperature=50.0, seed=9, max_tokens=16, ignore_eos=True)
+    )
     assert single.outputs[0].token_ids == a.outputs[2].token_ids
 
 

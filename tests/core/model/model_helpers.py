@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.platform.backend import AttentionMetadata
 from plinth.platform.reference import ReferenceBackend
@@ -22,14 +23,10 @@ MAX_BLOCKS_PER_SEQ = 16
 def reference_kernels(dtype: str = "float32") -> ModelKernels:
     """ModelKernels of the plain-torch reference backend."""
     backend = ReferenceBackend()
-    return ModelKernels(
-        gemm=backend.gemm_kernels(dtype), ops=backend.small_ops(), attention=backend.attention_kernels
-    )
+    return ModelKernels(gemm=backend.gemm_kernels(dtype), ops=backend.small_ops(), attention=backend.attention_kernels)
 
 
-def make_metadata(
-    computed: Sequence[int], new: Sequence[int], block_size: int = BLOCK_SIZE
-) -> AttentionMetadata:
+def make_metadata(computed: Sequence[int], new: Sequence[int], block_size: int = BLOCK_SIZE) -> AttentionMetadata:
     """A varlen batch: sequence i has ``computed[i]`` tokens cached and ``new[i]`` in this step.
 
     Sequence i owns the contiguous blocks ``i * MAX_BLOCKS_PER_SEQ ...``.
@@ -62,9 +59,7 @@ def make_metadata(
 def allocate_caches(model: Any, num_seqs: int) -> list[torch.Tensor]:
     """KV caches for ``model`` big enough for ``num_seqs`` sequences of MAX_BLOCKS_PER_SEQ blocks."""
     backend = ReferenceBackend()
-    return [
-        backend.allocate_kv_cache(spec, num_seqs * MAX_BLOCKS_PER_SEQ) for spec in model.attention_specs()
-    ]
+    return [backend.allocate_kv_cache(spec, num_seqs * MAX_BLOCKS_PER_SEQ) for spec in model.attention_specs()]
 
 
 def run_step(

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 from model_helpers import allocate_caches, hf_logits, reference_kernels, run_step, save_tiny
+from transformers import LlamaConfig, Qwen2Config
+
 from plinth.model.gguf_loader import hf_name, unpermute_qk
 from plinth.model.gguf_reader import GGUFFile
 from plinth.model.loader import load_config, load_model, load_tokenizer, resolve_model
-from transformers import LlamaConfig, Qwen2Config
 
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 128, 250, 1, 64, 33]
 
@@ -198,9 +199,7 @@ def _transformers_gguf_model(path: Path) -> Any:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
         parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-        config = LlamaConfig(
-            **{k: v for k, v in parsed.items() if k not in ("model_type", "_model_name_or_path")}
-        )
+        config = LlamaConfig(**{k: v for k, v in parsed.items() if k not in ("model_type", "_model_name_or_path")})
         model = LlamaForCausalLM(config)
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
         if config.tie_word_embeddings:

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 import torch
 from model_helpers import allocate_caches, hf_logits, reference_kernels, run_step, save_tiny
-from plinth.model.loader import load_model, resolve_model
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from plinth.model.loader import load_model, resolve_model
 
 TOL = 1e-4
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 128, 250, 1, 64, 33, 12, 180, 9, 77, 2, 31]
@@ -106,9 +107,7 @@ def test_config_and_specs(tiny: tuple[Any, Any, Any]) -> None:
     assert len(specs) == config.num_layers == hf.config.num_hidden_layers
     assert {s.num_heads for s in specs} == {4} and {s.num_kv_heads for s in specs} == {2}
     assert {s.head_size for s in specs} == {16} and {s.block_size for s in specs} == {4}
-    window = (
-        getattr(hf.config, "sliding_window", None) if config.architecture == "MistralForCausalLM" else None
-    )
+    window = getattr(hf.config, "sliding_window", None) if config.architecture == "MistralForCausalLM" else None
     assert {s.sliding_window for s in specs} == {window}
     assert config.tie_word_embeddings == hf.config.tie_word_embeddings
     hf_bias = getattr(hf.config, "attention_bias", False)
@@ -131,9 +130,10 @@ def test_qwen2_sliding_window_off_unless_enabled() -> None:
 
 
 def test_llama3_inv_freq_matches_transformers() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from plinth.model.config import ModelConfig
     from plinth.model.layers import rope_inv_freq
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf_cfg = CONFIGS["llama3_rope"]()
     hf_cfg.rope_parameters["original_max_position_embeddings"] = 8192

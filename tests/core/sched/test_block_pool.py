@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from plinth.sched.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
 from plinth.sched.prefix_cache import ROOT_HASH, hash_block_tokens
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from plinth.sched.kv_cache_manager import KVCacheManager
 from plinth.sched.request import Request, StopCriteria
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from plinth.sched.output import SchedulerOutput
 from plinth.sched.request import Request, RequestStatus, StopCriteria
 from plinth.sched.scheduler import Scheduler
@@ -69,9 +70,7 @@ class FakeModel:
         return sampled
 
 
-def reference_status(
-    prompt: list[int], out: list[int], stop: StopCriteria, max_model_len: int
-) -> RequestStatus | None:
+def reference_status(prompt: list[int], out: list[int], stop: StopCriteria, max_model_len: int) -> RequestStatus | None:
     if len(out) > stop.min_tokens and (
         out[-1] in stop.stop_token_ids or (not stop.ignore_eos and out[-1] in stop.eos_token_ids)
     ):

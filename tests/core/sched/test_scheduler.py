@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from plinth.sched.output import SchedulerOutput
 from plinth.sched.request import Request, RequestStatus, StopCriteria
 from plinth.sched.scheduler import Scheduler
@@ -245,9 +246,7 @@ def test_fork_child_abort_and_group_abort() -> None:
         ({"eos_token_ids": frozenset({2})}, [5, 5, 5, 2], RequestStatus.FINISHED_STOPPED, 4),
     ],
 )
-def test_stop_conditions(
-    stop: dict[str, Any], tokens: list[int], status: RequestStatus, num_out: int
-) -> None:
+def test_stop_conditions(stop: dict[str, Any], tokens: list[int], status: RequestStatus, num_out: int) -> None:
     s = sched()
     r = make("a", 3, max_tokens=4, **stop)
     s.add_request(r)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from plinth.platform.backend import AttentionMetadata, AttentionSpec, KVCacheLayout
 from plinth.platform.reference import ReferenceAttention
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, _query_tiles
@@ -102,9 +103,7 @@ def make_batch(
 def run_both(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(cpu output, reference output) for ``batch``."""
     ours = CpuAttention(batch.spec).forward(batch.query, batch.kv_cache, batch.meta, SCALE)
-    ref = ReferenceAttention(batch.spec, KVCacheLayout()).forward(
-        batch.query, batch.reference_cache, batch.meta, SCALE
-    )
+    ref = ReferenceAttention(batch.spec, KVCacheLayout()).forward(batch.query, batch.reference_cache, batch.meta, SCALE)
     return ours, ref
 
 

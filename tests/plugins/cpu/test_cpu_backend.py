@@ -9,6 +9,7 @@ from pathlib import Path
 import pluggy
 import pytest
 import torch
+
 from plinth import hookspecs
 from plinth.platform.backend import AttentionSpec, NotSupported, SmallOps
 from plinth.platform.reference import REFERENCE_SCORE, ReferenceBackend, ReferenceGemm
