@@ -1,0 +1,65 @@
+"""Offline benchmarks: the workload generator and the throughput/latency measurements."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from plinth.bench.datasets import sharegpt, synthetic
+from plinth.bench.latency import measure_latency
+from plinth.bench.throughput import run_throughput
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+
+
+def test_synthetic_workload_is_fixed_and_clipped() -> None:
+    a = synthetic(200, vocab_size=49152, seed=0)
+    b = synthetic(200, vocab_size=49152, seed=0)
+    assert a == b
+    assert all(16 <= len(r.prompt_ids) <= 512 and 16 <= r.output_len <= 256 for r in a)
+    prompt_lens = sorted(len(r.prompt_ids) for r in a)
+    assert 100 <= prompt_lens[100] <= 160  # median near 128
+    assert synthetic(5, 49152, seed=1) != a[:5]
+
+
+def test_sharegpt_file(tmp_path: Path) -> None:
+    from plinth.model.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": "Tell me a story about a cat."},
+                {"from": "gpt", "value": "Once " * 20},
+            ]
+        },
+        {"conversations": [{"from": "human", "value": "hi"}]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    [req] = sharegpt(path, tok, 10)
+    assert req.prompt_ids == tok.encode("Tell me a story about a cat.")
+    assert req.output_len == len(tok.encode("Once " * 20, add_special_tokens=False)) >= 20
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="no usable ShareGPT"):
+        sharegpt(path, tok, 10)
+
+
+def test_throughput_and_latency_on_a_tiny_model(tmp_path: Path) -> None:
+    from engine_helpers import save_tiny_folder
+
+    from plinth import LLM
+
+    save_tiny_folder("llama", tmp_path)
+    llm = LLM(model=str(tmp_path), backend="cpu", num_kv_blocks=128, block_size=16)
+    requests = synthetic(6, vocab_size=49152, seed=0, prompt_range=(16, 64), output_range=(4, 12))
+    result = run_throughput(llm, requests, progress=False)
+    assert result["output_tokens"] == sum(r.output_len for r in requests)
+    assert result["prompt_tokens"] == sum(len(r.prompt_ids) for r in requests)
+    assert result["output_tok_s"] > 0 and 0 <= result["kv_waste_pct"] < 100
+    assert not llm.engine.has_unfinished()
+    lat = measure_latency(llm, input_len=8, output_len=6, iters=1)
+    assert lat["decode_tok_s"] > 0 and lat["ttft_s"] > 0
