@@ -5,23 +5,40 @@ One ``forward`` serves any mix of prefill chunks and decodes. Sequences are spli
 every decode up to its query length:
 
 * decodes (``q_len == 1``): the query heads of one KV head are folded into the rows of one small
-  matmul (``[B, Hkv, group, D]``), so GQA needs no repeated K/V;
-* prefill chunks (``q_len > 1``, possibly with earlier context): queries are padded to
-  ``[B, max_q, H, D]`` with index tensors built from ``query_start_loc``, and one masked
-  ``scaled_dot_product_attention`` call covers them all.
+  batched matmul for ``QK^T`` (``[B, Hkv, group, D]``, so GQA needs no repeated K); ``PV`` is an
+  ``embedding_bag`` (a weighted sum of cache rows) that reads V straight from the cache pages;
+* prefill chunks (``q_len > 1``, possibly after earlier context): queries are padded to
+  ``[B, max_q, H, D]`` with index tensors built from ``query_start_loc`` and go through
+  ``scaled_dot_product_attention`` in a handful of query tiles, each attending only to the keys
+  some row of the tile can see: that skips most of the masked-out (future) half of a causal prefill.
 
-Each group gathers only the kv positions it needs (up to its longest sequence) into a dense
-``[B, S, Hkv, D]`` copy, by slot index. Padding block-table entries and the unused tail of a
-sequence's last page may hold garbage, even NaN, and a ``-inf`` score does not cancel a NaN value
-(``0 * NaN`` is NaN): so positions past a sequence's length are redirected to its position 0 (a
-real, finite entry) before the gather, and padding pages are never read at all.
+The cache is head-major (:data:`CPU_KV_LAYOUT`, as in vLLM's CPU backend): one (page, kv head) is
+a contiguous ``[block_size, D]`` tile, so gathering a group's pages with one ``index_select``
+yields K and V directly as contiguous ``[B, Hkv, S, D]``, the operand layout matmul/SDPA want,
+with 4 KiB memcpys and no transposing copy.
+
+Padding block-table entries and the unused tail of a sequence's last page may hold garbage, even
+NaN, and a ``-inf`` score does not cancel a NaN value (``0 * NaN`` is NaN): padding entries read
+page 0 instead, every gathered position past a sequence's length is zeroed (at a cost
+proportional to the padding only), and ``embedding_bag`` reads a real row there instead.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
-from plinth.platform.backend import AttentionKernels, AttentionMetadata
+
+from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, KVCacheLayout
+
+#: The cache layout these kernels read and write: [2, num_blocks, Hkv, block_size, D].
+CPU_KV_LAYOUT = KVCacheLayout(dims=("kv", "num_blocks", "num_kv_heads", "block_size", "head_size"))
+
+#: A prefill group is cut into at most this many query tiles (each sees keys up to its last row).
+MAX_QUERY_TILES = 8
+#: ... of at least this many query rows (SDPA's CPU kernel works in 32-row query blocks).
+MIN_QUERY_TILE = 32
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,133 +46,309 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class CpuAttention(AttentionKernels):
-    """KV write by one ``index_copy_`` per cache half; attention by batched torch ops.
+def _query_tiles(q_lens: list[int], seq_lens: list[int], window: int | None) -> list[tuple[int, int, int, int]]:
+    """``(row_start, row_end, key_start, key_end)`` per query tile of a padded prefill group.
 
-    The cache has the default layout ``[2, num_blocks, block_size, Hkv, D]``.
+    Rows ``j`` of a tile are query ``j`` of every sequence (where ``j < q_len``); the key range is
+    the union of what those real rows may see: causally up to their own position, and no further
+    back than the sliding window. Padding rows outside that range are discarded anyway.
     """
+    max_q, max_s = max(q_lens), max(seq_lens)
+    size = max(MIN_QUERY_TILE, -(-max_q // MAX_QUERY_TILES))
+    tiles = []
+    for j0 in range(0, max_q, size):
+        j1 = min(j0 + size, max_q)
+        live = [(q, s) for q, s in zip(q_lens, seq_lens, strict=True) if q > j0]
+        hi = max(s - q + min(q, j1) for q, s in live)  # one past the last visible key
+        lo = 0 if window is None else max(0, min(s - q + j0 for q, s in live) - window + 1)
+        tiles.append((j0, j1, lo, min(hi, max_s)))
+    return tiles
+
+
+def _probs(
+    qf: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float, soft_cap: float | None
+) -> torch.Tensor:
+    """Softmax of masked (and soft-capped) scores, with a group's query heads folded into rows.
+
+    ``qf`` [G, Hkv, group*Q, D] (rows ordered head-in-group, then query), ``k`` [G, Hkv, S, D],
+    ``allowed`` [G, Q, S] -> probabilities [G, Hkv, group*Q, S]. ``masked_fill_`` overwrites a
+    NaN score too, so stale keys need no zeroing on this path.
+    """
+    G, Hkv, R, _ = qf.shape
+    Q, S = allowed.shape[1], k.shape[2]
+    scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, group*Q, S]
+    if soft_cap is not None:
+        scores = torch.tanh(scores.div_(soft_cap)).mul_(soft_cap)
+    scores.view(G, Hkv, R // Q, Q, S).masked_fill_(~allowed[:, None, None], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """Masked attention of ``q`` [G, Q, H, D] over ``k``/``v`` [G, Hkv, S, D] -> [G, Q, H, D].
+
+    ``allowed`` [G, Q, S] is True where a query row may see a key; K/V hold no NaN.
+    """
+    G, Q, H, D = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    if soft_cap is None:
+        # Flash attention; enable_gqa lets one mask [G, 1, Q, S] serve all heads.
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=group > 1
+        )  # [G, H, Q, D]
+        return o.transpose(1, 2)
+    # The cap sits between QK^T and softmax, where SDPA cannot put it: explicit math.
+    qf = q.view(G, Q, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(G, Hkv, group * Q, D)
+    o = torch.matmul(_probs(qf, k, allowed, scale, soft_cap), v).view(G, Hkv, group, Q, D)
+    return o.permute(0, 3, 1, 2, 4).reshape(G, Q, H, D)
+
+
+class _Workspace:
+    """Scratch buffers reused across calls, grown on demand.
+
+    Why: a fresh multi-MiB tensor per call is served by fresh pages, and each first touch is a
+    page fault (~3 us in a VM); gathering a decode batch's K/V spent more time faulting than
+    copying. Reusing the buffers makes those pages resident once.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous ``shape`` tensor of garbage, valid until the next ``take(name, dtype)``."""
+        numel = math.prod(shape)
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[(name, dtype)] = buf
+        return buf[:numel].view(shape)
+
+
+class CpuAttention(AttentionKernels):
+    """KV write by one scatter per cache half; attention by batched torch ops.
+
+    The cache has the layout :data:`CPU_KV_LAYOUT`: ``[2, num_blocks, Hkv, block_size, D]``.
+    The object keeps scratch buffers between calls (as big as the largest K/V gather so far), so
+    one instance must not run two ``forward`` calls at the same time.
+    """
+
+    def __init__(self, spec: AttentionSpec, layout: KVCacheLayout = CPU_KV_LAYOUT) -> None:
+        if layout.dims != CPU_KV_LAYOUT.dims:
+            raise ValueError(f"CpuAttention needs the KV layout {CPU_KV_LAYOUT.dims}, got {layout.dims}")
+        super().__init__(spec, layout)
+        self._workspace = _Workspace()
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Store ``key``/``value`` ([T, Hkv, D]) at ``slot_mapping`` ([T]); slots < 0 are skipped."""
+        num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
         keep = slot_mapping >= 0  # [T]; False for padding tokens
         slots = slot_mapping[keep].long()  # [T']
-        key = key[keep].to(kv_cache.dtype)  # [T', Hkv, D]
-        value = value[keep].to(kv_cache.dtype)
-        if kv_cache.is_contiguous():
-            # [2, NB, bs, Hkv, D] -> [2, NB*bs, Hkv, D]: a slot id is then a plain row index.
-            flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-            flat[0].index_copy_(0, slots, key)
-            flat[1].index_copy_(0, slots, value)
-        else:
-            # A strided cache cannot be flattened into a view; index (block, offset) instead.
-            block_size = kv_cache.shape[2]
-            index = (slots // block_size, slots % block_size)
-            kv_cache[0].index_put_(index, key)
-            kv_cache[1].index_put_(index, value)
+        # Index tensors broadcast to [T', Hkv]: token t, head h -> cache[., block, h, offset, :].
+        heads = torch.arange(num_kv_heads, device=slots.device)[None, :]
+        index = ((slots // block_size)[:, None], heads, (slots % block_size)[:, None])
+        kv_cache[0].index_put_(index, key[keep].to(kv_cache.dtype))
+        kv_cache[1].index_put_(index, value[keep].to(kv_cache.dtype))
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """Paged attention: ``query`` [T, H, D] -> output [T, H, D] over the cached K/V.
 
-        Tokens that belong to no sequence (padding past ``query_start_loc[-1]``) get zeros.
+        Sequence offsets come from ``query_start_loc[0]`` and the host ``query_lens_host`` (of
+        which ``query_start_loc`` is the prefix sum). Tokens that belong to no sequence (padding
+        past ``query_start_loc[-1]``) get zeros.
         """
-        out = torch.zeros_like(query)  # [T, H, D]
-        decodes: list[int] = []
-        prefills: list[int] = []
-        for i, q_len in enumerate(meta.query_lens_host):  # B host ints, never per token
+        num_tokens, num_heads, head_size = query.shape
+        # Query offsets from the host copies (query_start_loc is their prefix sum): B host ints,
+        # never a loop per token.
+        starts, decodes, prefills = [], [], []
+        pos = int(meta.query_start_loc[0])
+        for i, q_len in enumerate(meta.query_lens_host):
+            starts.append(pos)
+            pos += q_len
             if q_len == 1:
                 decodes.append(i)
             elif q_len > 1:
                 prefills.append(i)
-        for ids in (decodes, prefills):
-            if ids:
-                self._attend(query, kv_cache, meta, scale, ids, out)
+        # One spare row at the end: every padding row of a prefill group is written there (an
+        # index_copy_ with no boolean-mask gather), and it is dropped on return. Rows outside
+        # the sequences' tokens get zeros; every other row is written exactly once.
+        out = query.new_empty(num_tokens + 1, num_heads, head_size)
+        out[: starts[0] if starts else num_tokens].zero_()
+        out[pos:].zero_()
+        if decodes:
+            self._decode(query, kv_cache, meta, scale, decodes, [starts[i] for i in decodes], out)
+        if prefills:
+            self._prefill(query, kv_cache, meta, scale, prefills, [starts[i] for i in prefills], out)
+        return out[:num_tokens]
+
+    def _tiles(self, kv_cache: torch.Tensor, meta: AttentionMetadata, ids: list[int]) -> torch.Tensor:
+        """Row ids [G, Hkv, nb] of the (page, kv head) tiles of sequences ``ids`` in the cache
+        viewed as ``[2 * num_blocks * Hkv, block_size * D]`` (K half)."""
+        num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
+        seq_lens = [meta.seq_lens_host[i] for i in ids]
+        nb = -(-max(seq_lens) // block_size)
+        dev = kv_cache.device
+        if ids == list(range(len(meta.seq_lens_host))):  # the whole batch: no row selection
+            tables = meta.block_tables[:, :nb]
+        else:
+            tables = meta.block_tables.index_select(0, torch.tensor(ids, device=dev))[:, :nb]
+        n_used = torch.tensor([-(-s // block_size) for s in seq_lens], device=dev)  # [G]
+        # Padding entries may be any integer (even out of range): read page 0 there instead.
+        pages = torch.where(torch.arange(nb, device=dev) < n_used[:, None], tables, 0).long()  # [G, nb]
+        return pages[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=dev)[None, :, None]
+
+    def _gather(
+        self,
+        kv_cache: torch.Tensor,
+        halves: tuple[int, ...],
+        tiles: torch.Tensor,
+        seq: torch.Tensor | None,
+        acc: torch.dtype,
+    ) -> torch.Tensor:
+        """Cache ``halves`` (0: K, 1: V) of the (page, kv head) ``tiles`` [G, Hkv, nb].
+
+        Returns a contiguous [len(halves), G, Hkv, S, D] workspace view (S = nb * block_size) in
+        ``acc``. Given the lengths ``seq`` [G], positions at or past them are zeroed.
+        """
+        _, num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape
+        G, _, nb = tiles.shape
+        S = nb * block_size
+        dev = tiles.device
+        index = (
+            tiles.flatten()
+            if halves == (0,)
+            else torch.cat([tiles.flatten() + h * num_blocks * num_kv_heads for h in halves])
+        )
+        # A view for the contiguous caches allocate_kv_cache makes (a strided one gets copied).
+        flat = kv_cache.reshape(2 * num_blocks * num_kv_heads, block_size * head_size)
+        shape = (len(halves), G, num_kv_heads, S, head_size)
+        out = self._workspace.take("gather", shape, kv_cache.dtype, dev)
+        torch.index_select(flat, 0, index, out=out.view(-1, block_size * head_size))
+        if seq is not None:
+            stale = torch.arange(S, device=dev) >= seq[:, None, None]  # [G, 1, S]
+            stale_rows = stale.expand(G, num_kv_heads, S).flatten().nonzero().squeeze(1)
+            for rows in out.view(len(halves), G * num_kv_heads * S, head_size):
+                rows.index_fill_(0, stale_rows, 0)  # only the padding rows are written
+        if acc != kv_cache.dtype:  # a half-precision cache: upcast once, into a second buffer
+            out = self._workspace.take("upcast", shape, acc, dev).copy_(out)
         return out
 
-    def _attend(
+    def _decode(
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         ids: list[int],
+        starts: list[int],
         out: torch.Tensor,
     ) -> None:
-        """Attention for the sequences ``ids`` (all decodes, or all prefill chunks), into ``out``."""
+        """Decodes (one query token each) of sequences ``ids``, whose tokens are ``starts``.
+
+        ``QK^T`` is one batched matmul with the group's query heads as rows; ``PV`` is an
+        ``embedding_bag`` over V rows in place (one weighted bag per query head), which skips
+        gathering V and a second small-row matmul (~1.7x faster for this step).
+        """
         num_heads, head_size = query.shape[1], query.shape[2]
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
         group = num_heads // num_kv_heads
         acc = _accumulate_dtype(query.dtype)
         dev = query.device
-        max_q = max(meta.query_lens_host[i] for i in ids)
-        max_s = max(meta.seq_lens_host[i] for i in ids)
-        n_blocks = -(-max_s // block_size)
-        S = n_blocks * block_size
-
         G = len(ids)
-        sel = torch.tensor(ids, dtype=torch.long, device=dev)  # [G]
-        seq = torch.tensor([meta.seq_lens_host[i] for i in ids], dtype=torch.long, device=dev)  # [G]
-        q_len = torch.tensor([meta.query_lens_host[i] for i in ids], dtype=torch.long, device=dev)
-        start = meta.query_start_loc.index_select(0, sel).long()  # [G]
+        seq = torch.tensor([meta.seq_lens_host[i] for i in ids], device=dev)  # [G]
+        tiles = self._tiles(kv_cache, meta, ids)  # [G, Hkv, nb]
+        S = tiles.shape[2] * block_size
+        # embedding_bag sums in the weight's dtype: a half-precision cache gathers V instead.
+        as_bag = kv_cache.dtype == acc
+        # K past a sequence's length needs no zeroing here: masked_fill_ overwrites its scores.
+        kv = self._gather(kv_cache, (0,) if as_bag else (0, 1), tiles, None if as_bag else seq, acc)
 
-        # K/V: one slot index per (sequence, kv position). Positions past a sequence's length
-        # read its position 0 instead: always a real, finite entry, so the -inf mask gives it an
-        # exact zero weight. Padding table entries and stale page tails are never read.
-        k_pos = torch.arange(S, device=dev)  # [S]
-        pos = torch.where(k_pos[None, :] < seq[:, None], k_pos[None, :], 0)  # [G, S]
-        tables = meta.block_tables.index_select(0, sel)[:, :n_blocks].long()  # [G, nb]
-        slots = tables.gather(1, pos // block_size) * block_size + pos % block_size  # [G, S]
-        # index_select copies whole [Hkv, D] rows; advanced indexing is ~20x slower here.
-        # A view for the contiguous caches allocate_kv_cache makes (a strided one gets copied).
-        flat = kv_cache.reshape(2, -1, num_kv_heads, head_size)  # [2, NB*bs, Hkv, D]
-        k = flat[0].index_select(0, slots.flatten()).view(G, S, num_kv_heads, head_size).to(acc)
-        v = flat[1].index_select(0, slots.flatten()).view(G, S, num_kv_heads, head_size).to(acc)
-        k = k.permute(0, 2, 1, 3)  # [G, Hkv, S, D]
-        v = v.permute(0, 2, 1, 3)
+        # A pure-decode step has its tokens packed in order: slice instead of gather/scatter.
+        packed = starts == list(range(starts[0], starts[0] + G))
+        tok = None if packed else torch.tensor(starts, device=dev)  # [G]
+        q = query[starts[0] : starts[0] + G] if tok is None else query.index_select(0, tok)
+        qf = q.to(acc).view(G, num_kv_heads, group, head_size)  # [G, Hkv, group, D]
+        k_pos = torch.arange(S, device=dev)
+        valid = k_pos < seq[:, None]  # [G, S]: causal for the last token = inside the sequence
+        allowed = valid
+        if self.spec.sliding_window is not None:
+            allowed = valid & (k_pos > (seq - 1 - self.spec.sliding_window)[:, None])
+        probs = _probs(qf, kv[0], allowed[:, None], scale, self.spec.logits_soft_cap)  # [G, Hkv, group, S]
 
-        # Queries, padded to max_q; a padding row repeats the sequence's last query token, so it
-        # has a non-empty mask (no NaN) and is simply not copied out.
+        if as_bag:
+            # Row of position s in the cache viewed as [NB * Hkv * bs, D]; positions past a
+            # sequence's length have weight 0 but may hold NaN, so read its position 0 instead.
+            rows = (tiles[..., None] * block_size + torch.arange(block_size, device=dev)).view(G, num_kv_heads, S)
+            rows = torch.where(valid[:, None, :], rows, rows[..., :1])
+            bags = rows[:, :, None, :].expand(G, num_kv_heads, group, S).reshape(-1, S)  # [G*H, S]
+            values = kv_cache[1].reshape(-1, head_size)
+            o = F.embedding_bag(bags, values, per_sample_weights=probs.reshape(-1, S), mode="sum")
+        else:
+            o = torch.matmul(probs, kv[1])  # [G, Hkv, group, D]
+        o = o.view(G, num_heads, head_size).to(out.dtype)
+        if tok is None:
+            out[starts[0] : starts[0] + G] = o
+        else:
+            out.index_copy_(0, tok, o)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        ids: list[int],
+        starts: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """Prefill chunks (``q_len > 1``, maybe after earlier context) of sequences ``ids``, whose
+        first tokens are ``starts``, into ``out`` ([T+1, H, D]; row T is the spare row)."""
+        num_heads, head_size = query.shape[1], query.shape[2]
+        block_size = kv_cache.shape[3]
+        acc = _accumulate_dtype(query.dtype)
+        dev = query.device
+        q_lens = [meta.query_lens_host[i] for i in ids]
+        seq_lens = [meta.seq_lens_host[i] for i in ids]
+        G, max_q = len(ids), max(q_lens)
+        seq, q_len, start = torch.tensor([seq_lens, q_lens, starts], device=dev)  # [G] each
+        tiles = self._tiles(kv_cache, meta, ids)  # [G, Hkv, nb]
+        S = tiles.shape[2] * block_size
+        k, v = self._gather(kv_cache, (0, 1), tiles, seq, acc)  # [G, Hkv, S, D] each
+
+        # Queries, padded to max_q; a padding row repeats its sequence's last query token, so it
+        # has real keys to attend to, and is never copied out.
         j = torch.arange(max_q, device=dev)[None, :]  # [1, Q]
         j_clamped = torch.minimum(j, q_len[:, None] - 1)  # [G, Q]
-        tok = start[:, None] + j_clamped  # [G, Q] token index into query/out
-        q_pos = (seq - q_len)[:, None] + j_clamped  # [G, Q] absolute position of each query row
+        tok = (start[:, None] + j_clamped).flatten()  # [G*Q] token index into query
+        q = self._workspace.take("query", (G * max_q, num_heads, head_size), query.dtype, dev)
+        q = torch.index_select(query, 0, tok, out=q).view(G, max_q, num_heads, head_size).to(acc)
+        q_pos = (seq - q_len)[:, None] + j_clamped  # [G, Q] absolute position of each row
+        k_pos = torch.arange(S, device=dev)  # [S]
         allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [G, Q, S]; also excludes k_pos >= seq
         window = self.spec.sliding_window
         if window is not None:
             allowed &= q_pos[:, :, None] - k_pos[None, None, :] < window
-        q = query.index_select(0, tok.flatten()).view(G, max_q, num_heads, head_size).to(acc)
 
-        cap = self.spec.logits_soft_cap
-        if cap is not None:
-            # soft cap sits between QK^T and softmax, which SDPA cannot express: explicit math.
-            # Fold the group's heads into rows: q [G, Hkv, group*Q, D] against k [G, Hkv, S, D].
-            qf = q.view(G, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
-            qf = qf.reshape(G, num_kv_heads, group * max_q, head_size)
-            scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [G, Hkv, group*Q, S]
-            scores = torch.tanh(scores / cap) * cap
-            scores = scores.view(G, num_kv_heads, group, max_q, S)
-            scores = scores.masked_fill_(~allowed[:, None, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).view(G, num_kv_heads, group * max_q, S)
-            o = torch.matmul(probs, v).view(G, num_kv_heads, group, max_q, head_size)
-            o = o.permute(0, 3, 1, 2, 4)  # [G, Q, Hkv, group, D]
-        elif max_q == 1:
-            # Decode fast path: the group's query heads are the rows, mask [G, 1, 1, S] broadcasts.
-            qd = q.view(G, num_kv_heads, group, head_size)  # [G, Hkv, group, D]
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=allowed[:, None], scale=scale)
-        else:
-            # Prefill chunks: enable_gqa lets the mask [G, 1, Q, S] broadcast over all heads.
-            qp = q.transpose(1, 2)  # [G, H, Q, D]
-            o = F.scaled_dot_product_attention(
-                qp, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=group > 1
-            )  # [G, H, Q, D]
-            o = o.transpose(1, 2)  # [G, Q, H, D]
-
-        o = o.reshape(G, max_q, num_heads, head_size).to(out.dtype)  # [G, Q, H, D]
-        if max_q == 1:
-            out.index_copy_(0, tok[:, 0], o[:, 0])
-        else:
-            real = j < q_len[:, None]  # [G, Q]; False for padding rows
-            out.index_copy_(0, tok[real], o[real])
+        o = self._workspace.take("rows", (G, max_q, num_heads, head_size), acc, dev)
+        for j0, j1, lo, hi in _query_tiles(q_lens, seq_lens, window):
+            o[:, j0:j1] = _prefill_attention(
+                q[:, j0:j1],
+                k[:, :, lo:hi],
+                v[:, :, lo:hi],
+                allowed[:, j0:j1, lo:hi],
+                scale,
+                self.spec.logits_soft_cap,
+            )
+        spare = out.shape[0] - 1
+        dest = torch.where(j < q_len[:, None], start[:, None] + j, spare).flatten()  # [G*Q]
+        out.index_copy_(0, dest, o.view(G * max_q, num_heads, head_size).to(out.dtype))

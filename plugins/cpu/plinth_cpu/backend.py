@@ -6,6 +6,7 @@ import platform
 from importlib import metadata
 
 import torch
+
 from plinth.platform.backend import (
     AttentionKernels,
     AttentionSpec,
@@ -13,13 +14,11 @@ from plinth.platform.backend import (
     Capabilities,
     DeviceServices,
     GemmKernels,
-    KVCacheLayout,
     NotSupported,
     Probe,
     torch_dtype,
 )
-
-from plinth_cpu.attention import CpuAttention
+from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
 from plinth_cpu.gemm import CpuGemm
 
 try:
@@ -83,11 +82,13 @@ class CpuBackend(Backend):
         self._caps = Capabilities(
             dtypes=dtypes,
             kv_cache_dtypes=dtypes,
-            head_sizes=frozenset({32, 64, 80, 96, 112, 128, 160, 192, 256}),
+            # torch ops take any head size; multiples of 8 keep rows SIMD-aligned. Kept wide on
+            # purpose: with a head-major cache the core cannot fall back to the reference kernel.
+            head_sizes=frozenset(range(16, 513, 8)),
             block_sizes=(8, 16, 32, 64, 128),
             max_gqa_ratio=None,
             features=frozenset({"sliding_window", "logits_soft_cap"}),
-            kv_cache_layout=KVCacheLayout(),
+            kv_cache_layout=CPU_KV_LAYOUT,
         )
 
     def probe(self) -> Probe:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from plinth.platform.backend import GemmKernels, LinearWeight
 
 

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from plinth.hookspecs import hookimpl
 from plinth.platform.backend import Backend
-
 from plinth_cpu.backend import CpuBackend
 
 
