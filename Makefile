@@ -24,10 +24,10 @@ demo: $(STAMP)
 	$(VENV)/bin/plinth generate --chat --max-tokens 96 "$(PROMPT)"
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check core plugins tests
-	$(VENV)/bin/mypy core/plinth
+	$(VENV)/bin/ruff check core plugins tests conformance
+	$(VENV)/bin/mypy core/plinth conformance/plinth_conformance
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check core plugins tests
-	$(VENV)/bin/mypy core/plinth
+	$(VENV)/bin/ruff check core plugins tests conformance
+	$(VENV)/bin/mypy core/plinth conformance/plinth_conformance

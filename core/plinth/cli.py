@@ -1,4 +1,4 @@
-"""The ``plinth`` command line: generate, chat, backends."""
+"""The ``plinth`` command line: generate, chat, backends, serve, bench serve."""
 
 from __future__ import annotations
 
@@ -180,6 +180,20 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0 if chosen else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the HTTP server (implementation: plinth.server.launch)."""
+    from plinth.server.launch import run_serve
+
+    return run_serve(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Load-test a running server (implementation: plinth.bench.serve)."""
+    from plinth.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``plinth`` command."""
     parser = argparse.ArgumentParser(prog="plinth", description="LLM inference on pluggable hardware backends")
@@ -203,6 +217,33 @@ def build_parser() -> argparse.ArgumentParser:
     backends = sub.add_parser("backends", help="list installed backends ranked by probe score")
     backends.add_argument("--verbose", action="store_true", help="also list plugins, hooks and API versions")
     backends.set_defaults(func=cmd_backends)
+
+    from plinth.bench.serve import add_bench_serve_arguments
+    from plinth.server.launch import add_serve_arguments
+
+    serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic HTTP APIs")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load-test a running server (streaming)")
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
+
+    from plinth.bench.latency import add_bench_latency_arguments, run_bench_latency
+    from plinth.bench.throughput import add_bench_throughput_arguments, run_bench_throughput
+
+    bench_tp = bench_sub.add_parser("throughput", help="offline throughput on a fixed workload")
+    add_bench_throughput_arguments(bench_tp)
+    bench_tp.set_defaults(func=run_bench_throughput)
+    bench_lat = bench_sub.add_parser("latency", help="batch-1 decode speed, time to first token, cold start")
+    add_bench_latency_arguments(bench_lat)
+    bench_lat.set_defaults(func=run_bench_latency)
+
+    from plinth_conformance.cli import add_subcommands  # ships in this distribution
+
+    add_subcommands(sub)  # conformance, plugin new
     return parser
 
 

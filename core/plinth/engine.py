@@ -228,6 +228,18 @@ class LLMEngine:
         """True while any request is waiting or running."""
         return bool(self._groups)
 
+    def abort_all(self) -> list[str]:
+        """Abort every request, also after a ``step()`` that raised midway, so the engine takes new ones.
+
+        :return: the ids of the requests aborted.
+        """
+        ids = list(self._groups)
+        for request_id in ids:
+            self.abort_request(request_id)
+        self.scheduler.abort_all()  # also forgets the step that never reached update()
+        self._seq_group.clear()
+        return ids
+
     # -- the step loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

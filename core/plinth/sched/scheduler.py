@@ -159,6 +159,13 @@ class Scheduler:
         aborted = [self.abort_request(rid) for rid in ids]
         return [r for r in aborted if r is not None]
 
+    def abort_all(self) -> list[Request]:
+        """Abort every unfinished request and forget a scheduled step that never reached ``update()``
+        (the model raised): afterwards the scheduler is empty and ready for new requests."""
+        aborted = [self.abort_request(rid) for rid in list(self._requests)]
+        self._pending = None
+        return [r for r in aborted if r is not None]
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished, free the blocks, forget the request (the caller dequeues it)."""
         request.status = status

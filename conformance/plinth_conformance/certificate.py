@@ -1,0 +1,249 @@
+"""Certificates: what was run, on what, with which result, as JSON plus a Markdown summary.
+
+A certificate always says what the backend ran on: ``hardware``, ``emulation`` (the probe says
+the code ran on a device it was not written for) or ``interpreter`` (a kernel language's
+interpreter, e.g. ``TRITON_INTERPRET=1``). Emulation is never reported as hardware certification.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from plinth_conformance import SUITE_VERSION, TIERS
+from plinth_conformance.tolerance import POLICY
+
+if TYPE_CHECKING:
+    import pytest
+
+    from plinth_conformance.plugin import SuiteState
+
+#: Environment variables that mean kernels run in an interpreter, not compiled for the device.
+INTERPRETER_ENV: dict[str, str] = {"TRITON_INTERPRET": "1", "PLINTH_INTERPRET": "1"}
+
+
+def cpu_model() -> str:
+    """The host CPU's name (/proc/cpuinfo "model name"), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def host_fingerprint() -> dict[str, Any]:
+    """CPU, core count, OS, Python and torch versions of the machine the suite ran on."""
+    import torch
+
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "os": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def interpreter_flags() -> list[str]:
+    """The ``NAME=value`` settings that put kernels in an interpreter, as found in the environment."""
+    return [f"{k}={v}" for k, v in INTERPRETER_ENV.items() if os.environ.get(k, "").lower() == v]
+
+
+def tier_status(state: SuiteState, tier: str) -> str:
+    """``passed``, ``failed``, ``skipped`` (all skipped) or ``not run``."""
+    if tier not in state.tiers:
+        return "not run"
+    counts = state.counts.get(tier)
+    if state.error:
+        return "failed"
+    if not counts:
+        return "not run"
+    if counts["failed"]:
+        return "failed"
+    return "passed" if counts["passed"] else "skipped"
+
+
+def tier_table(state: SuiteState) -> list[str]:
+    """Terminal lines: one per tier with counts and seconds."""
+    lines = [f"{'tier':<9} {'status':<8} {'passed':>6} {'failed':>6} {'skipped':>7} {'seconds':>8}"]
+    for tier in TIERS:
+        c = state.counts.get(tier, {"passed": 0, "failed": 0, "skipped": 0})
+        lines.append(
+            f"{tier:<9} {tier_status(state, tier):<8} {c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} "
+            f"{state.seconds.get(tier, 0.0):>8.1f}"
+        )
+    return lines
+
+
+def _caps_dict(caps: Any) -> dict[str, Any]:
+    return {
+        "dtypes": sorted(caps.dtypes),
+        "kv_cache_dtypes": sorted(caps.kv_cache_dtypes),
+        "head_sizes": _ranges(sorted(caps.head_sizes)),
+        "block_sizes": list(caps.block_sizes),
+        "max_gqa_ratio": caps.max_gqa_ratio,
+        "features": sorted(caps.features),
+        "quant_formats": sorted(caps.quant_formats),
+        "kv_cache_layout": list(caps.kv_cache_layout.dims),
+    }
+
+
+def _ranges(values: list[int]) -> str:
+    """``16-512 step 8`` style compression of a sorted integer list (head sizes can be hundreds)."""
+    if len(values) <= 6:
+        return ", ".join(map(str, values))
+    steps = {b - a for a, b in zip(values, values[1:], strict=False)}
+    if len(steps) == 1:
+        step = steps.pop()
+        return f"{values[0]}-{values[-1]}" + (f" step {step}" if step != 1 else "")
+    return ", ".join(map(str, values))
+
+
+def _tolerance_summary(state: SuiteState) -> dict[str, Any]:
+    by_dtype: dict[str, dict[str, float]] = {}
+    for t in state.tolerances:
+        d = by_dtype.setdefault(t["dtype"], {"cases": 0, "max_tol_rel": 0.0, "max_rel": 0.0, "max_tol_max": 0.0})
+        d["cases"] += 1
+        d["max_tol_rel"] = max(d["max_tol_rel"], t.get("tol_rel", 0.0))
+        d["max_rel"] = max(d["max_rel"], t.get("rel", 0.0))
+        d["max_tol_max"] = max(d["max_tol_max"], t.get("tol_max", 0.0))
+    cases = [
+        {k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in t.items() if k != "naive_rel"}
+        for t in state.tolerances
+    ]
+    return {"policy": POLICY.as_dict(), "by_dtype": by_dtype, "cases": cases}
+
+
+def _command(state: SuiteState, keyword: str | None) -> str:
+    """The ``plinth conformance`` command equivalent to this session (host paths left out)."""
+    cmd = f"plinth conformance --backend {state.backend_name} --tier {state.tier_choice}"
+    return cmd + (f" -k {keyword!r}" if keyword else "")
+
+
+def build_certificate(state: SuiteState, keyword: str | None = None) -> dict[str, Any]:
+    """The certificate of a finished session (``keyword``: the ``-k`` selection, if any)."""
+    status = state.status
+    backend = status.backend if status is not None else None
+    probe = status.probe if status is not None else None
+    interp = interpreter_flags()
+    emulation = bool(probe.emulation) if probe is not None else False
+    tiers = {
+        t: {
+            "status": tier_status(state, t),
+            **state.counts.get(t, {"passed": 0, "failed": 0, "skipped": 0}),
+            "seconds": round(state.seconds.get(t, 0.0), 1),
+        }
+        for t in TIERS
+    }
+    passed = not state.error and state.exitstatus == 0 and all(tiers[t]["status"] != "failed" for t in TIERS)
+    return {
+        "suite_version": SUITE_VERSION,
+        "created": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
+        "command": _command(state, keyword),
+        "result": "passed" if passed else "failed",
+        "tier_selection": state.tier_choice,
+        "backend": {
+            "name": state.backend_name,
+            "version": getattr(backend, "version", None),
+            "api_version": ".".join(map(str, getattr(backend, "api_version", ()))),
+            "description": getattr(backend, "description", ""),
+            "error": state.error,
+        },
+        "plugin": {
+            "entry_point": status.plugin.name if status is not None else None,
+            "distribution": status.plugin.dist_name if status is not None else None,
+            "version": status.plugin.dist_version if status is not None else None,
+            "module": status.plugin.module if status is not None else None,
+        },
+        "capabilities": _caps_dict(backend.capabilities()) if backend is not None else None,
+        "device": {
+            "name": probe.device_name if probe is not None else None,
+            "probe_score": probe.score if probe is not None else None,
+            "emulation": emulation,
+            "interpreter": bool(interp),
+            "interpreter_env": interp,
+            "verified_on": "interpreter" if interp else "emulation" if emulation else "hardware",
+        },
+        "host": host_fingerprint(),
+        "tiers": tiers,
+        "tolerances": _tolerance_summary(state),
+        "perf": {"roofline": state.roofline, "kernels": state.perf},
+        "failures": state.failures,
+    }
+
+
+def summary_markdown(cert: dict[str, Any]) -> str:
+    """A human-readable page of a certificate."""
+    b, dev, host = cert["backend"], cert["device"], cert["host"]
+    lines = [
+        f"# Conformance: backend `{b['name']}` — {cert['result'].upper()}",
+        "",
+        f"- suite {cert['suite_version']}, {cert['created']}",
+        f"- backend {b['name']} {b['version']} (plugin API {b['api_version']}), distribution "
+        f"{cert['plugin']['distribution']} {cert['plugin']['version']}",
+        f"- device: {dev['name']} — verified on **{dev['verified_on']}**"
+        + (f" ({', '.join(dev['interpreter_env'])})" if dev["interpreter_env"] else ""),
+        f"- host: {host['cpu_model']}, {host['cpu_count']} cores, {host['os']}, torch {host['torch']}",
+        "",
+        "| tier | status | passed | failed | skipped | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for tier, t in cert["tiers"].items():
+        lines.append(f"| {tier} | {t['status']} | {t['passed']} | {t['failed']} | {t['skipped']} | {t['seconds']} |")
+    tol = cert["tolerances"]
+    if tol["by_dtype"]:
+        p = tol["policy"]
+        lines += [
+            "",
+            f"Tolerances: {p['factor']:g}x the naive same-dtype error; floors (relative/element/max) "
+            f"{p['rel_floor_out_eps']:g}/{p['elem_floor_out_eps']:g}/{p['max_floor_out_eps']:g} eps of the output "
+            f"dtype + {p['rel_floor_acc_eps']:g}/{p['elem_floor_acc_eps']:g}/{p['max_floor_acc_eps']:g} "
+            f"sqrt(n) eps of the accumulator; element pass rate >= {p['min_pass_rate']:.0%}.",
+            "",
+            "| dtype | cases | worst relative error | largest relative threshold |",
+            "|---|---|---|---|",
+        ]
+        for dtype, d in tol["by_dtype"].items():
+            lines.append(f"| {dtype} | {d['cases']} | {d['max_rel']:.2e} | {d['max_tol_rel']:.2e} |")
+    perf = cert["perf"]
+    if perf["kernels"]:
+        roof = perf["roofline"]
+        lines += [
+            "",
+            f"Perf (not gated): read bandwidth {roof.get('read_gbps', 0):.1f} GB/s, "
+            f"fp32 GEMM peak {roof.get('gemm_gflops', 0):.1f} GFLOP/s (measured in the same run).",
+            "",
+            "| kernel | shape | time (ms) | achieved | % of roofline |",
+            "|---|---|---|---|---|",
+        ]
+        for k in perf["kernels"]:
+            lines.append(
+                f"| {k['name']} | {k['shape']} | {k['ms']:.3f} | {k['achieved']:.1f} {k['unit']} | "
+                f"{k['percent']:.1f}% of {k['bound']} |"
+            )
+    if cert["failures"]:
+        lines += ["", "## Failures", ""]
+        for f in cert["failures"]:
+            lines.append(f"- `{f['case']}` ({f['tier']}, seed {f['seed']}): {f['message']}  \n  re-run: `{f['rerun']}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(state: SuiteState, config: pytest.Config) -> Path:
+    """Write ``certificate.json`` and ``summary.md`` into the report directory; returns the JSON path."""
+    assert state.report_dir is not None
+    state.report_dir.mkdir(parents=True, exist_ok=True)
+    cert = build_certificate(state, config.getoption("keyword") or None)
+    path = state.report_dir / "certificate.json"
+    path.write_text(json.dumps(cert, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    (state.report_dir / "summary.md").write_text(summary_markdown(cert), encoding="utf-8")
+    return path

@@ -1,0 +1,117 @@
+"""Perf tier (not gated): kernel timings as a share of the roofline measured in the same run.
+
+A case fails only when the kernel cannot run; slow is reported, never failed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from plinth.platform.backend import AttentionMetadata, AttentionSpec, Backend
+from plinth_conformance.cases import PerfCase
+from plinth_conformance.checks import declared_attention, declared_gemm, kernel_call
+from plinth_conformance.perf import best_time, roofline
+from plinth_conformance.plugin import SuiteState
+
+#: Decode: 16 sequences of 512 cached tokens, 16 query heads over 4 KV heads of 128.
+SEQS, KV_LEN, HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 16, 512, 16, 4, 128, 16
+
+
+@pytest.fixture(scope="module")
+def machine_roofline(plinth_backend: Backend, plinth_state: SuiteState) -> dict[str, float]:
+    """Read bandwidth and GEMM peak of this machine, measured once per run (kept in the certificate)."""
+    services = plinth_backend.device_services()
+    if not plinth_state.roofline:
+        plinth_state.roofline = roofline(services.device, services.synchronize)
+    return plinth_state.roofline
+
+
+def _contiguous_meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    """Sequence i owns pages ``i * pages_per_seq ...``; layout does not matter for timing."""
+    per_seq = math.ceil(max(seq_lens) / BLOCK)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    slots = [
+        i * per_seq * BLOCK + p for i, (q, s) in enumerate(zip(q_lens, seq_lens, strict=True)) for p in range(s - q, s)
+    ]
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.arange(len(q_lens) * per_seq, dtype=torch.int32).view(len(q_lens), per_seq),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+    )
+
+
+def test_perf(
+    plinth_backend: Backend,
+    perf_case: PerfCase,
+    machine_roofline: dict[str, float],
+    record_perf: Callable[..., None],
+) -> None:
+    """Time one kernel and record its share of the roofline."""
+    case = perf_case
+    services = plinth_backend.device_services()
+    dev, sync = services.device, services.synchronize
+    bw, peak = machine_roofline["read_gbps"], machine_roofline["gemm_gflops"]
+    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, BLOCK, "float32", "float32")
+    if case.name in ("decode-attention", "prefill-attention", "kv-write"):
+        kernels = declared_attention(plinth_backend, spec, case.id)
+        q_lens, seq_lens = ([1] * SEQS, [KV_LEN] * SEQS) if case.name != "prefill-attention" else ([KV_LEN], [KV_LEN])
+        meta = _contiguous_meta(q_lens, seq_lens)
+        cache = plinth_backend.allocate_kv_cache(spec, len(q_lens) * math.ceil(KV_LEN / BLOCK))
+        cache.normal_()
+        tokens = sum(q_lens)
+        meta_dev = AttentionMetadata(
+            meta.query_start_loc.to(dev),
+            meta.seq_lens.to(dev),
+            meta.block_tables.to(dev),
+            meta.slot_mapping.to(dev),
+            meta.max_query_len,
+            meta.max_seq_len,
+            meta.query_lens_host,
+            meta.seq_lens_host,
+        )
+        if case.name == "kv-write":
+            key = torch.randn(SEQS * 32, KV_HEADS, HEAD_SIZE, device=dev)
+            slots = torch.arange(SEQS * 32, dtype=torch.int64, device=dev)
+            with kernel_call(case.id, "write_kv()"):
+                seconds = best_time(lambda: kernels.write_kv(key, key, cache, slots), sync)
+            moved = 2 * key.numel() * 4 * 2  # read K and V, write them
+            achieved, unit, bound = moved / seconds / 1e9, "GB/s", "bandwidth"
+            shape = f"{SEQS * 32} tokens x {KV_HEADS}x{HEAD_SIZE}"
+        else:
+            query = torch.randn(tokens, HEADS, HEAD_SIZE, device=dev)
+            with kernel_call(case.id, "forward()"):
+                seconds = best_time(lambda: kernels.forward(query, cache, meta_dev, HEAD_SIZE**-0.5), sync)
+            if case.name == "decode-attention":
+                moved = 2 * SEQS * KV_LEN * KV_HEADS * HEAD_SIZE * 4  # every cached K and V read once
+                achieved, unit, bound = moved / seconds / 1e9, "GB/s", "bandwidth"
+                shape = f"{SEQS} seqs x {KV_LEN} kv, {HEADS}/{KV_HEADS} heads x {HEAD_SIZE}"
+            else:
+                flops = 4 * HEADS * HEAD_SIZE * KV_LEN * (KV_LEN + 1) / 2  # causal QK^T and PV
+                achieved, unit, bound = flops / seconds / 1e9, "GFLOP/s", "GEMM peak"
+                shape = f"1 seq x {KV_LEN} tokens, {HEADS}/{KV_HEADS} heads x {HEAD_SIZE}"
+    else:
+        m, k, n = (1, 576, 49152) if case.name == "gemm-m1" else (512, 576, 1536)
+        gemm = declared_gemm(plinth_backend, "float32", case.id)
+        with kernel_call(case.id, "prepare()"):
+            weight = gemm.prepare(torch.randn(n, k) / math.sqrt(k), None)
+        x = torch.randn(m, k, device=dev)
+        with kernel_call(case.id, "linear()"):
+            seconds = best_time(lambda: gemm.linear(x, weight), sync)
+        shape = f"{m}x{k}x{n}"
+        if m == 1:  # reading the weight dominates
+            achieved, unit, bound = n * k * 4 / seconds / 1e9, "GB/s", "bandwidth"
+        else:
+            achieved, unit, bound = 2 * m * k * n / seconds / 1e9, "GFLOP/s", "GEMM peak"
+    pct = 100.0 * achieved / (bw if bound == "bandwidth" else peak)
+    record_perf(name=case.name, shape=shape, ms=seconds * 1e3, achieved=achieved, unit=unit, bound=bound, percent=pct)

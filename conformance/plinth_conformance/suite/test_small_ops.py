@@ -1,0 +1,74 @@
+"""SmallOps (rms_norm, silu_and_mul, rotary) against the plain-torch defaults in fp64.
+
+Shapes are SmolLM2's: hidden 576, intermediate 1536, 9 heads of 64. The ops must not modify
+their inputs (a rotary applied in place would corrupt the query a caller still holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from plinth.platform.backend import Backend, SmallOps, torch_dtype
+from plinth_conformance.cases import OpsCase
+from plinth_conformance.checks import kernel_call
+from plinth_conformance.tolerance import bits, compare
+
+TOKENS, HIDDEN, INTERMEDIATE, HEADS, HEAD_SIZE, MAX_POS = 33, 576, 1536, 9, 64, 512
+
+
+def _cos_sin(rotary_dim: int) -> torch.Tensor:
+    """[MAX_POS, rotary_dim] fp32: cos in the first half, sin in the second (the model's table)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    angles = torch.arange(MAX_POS, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def _run(case: OpsCase, gen: torch.Generator) -> tuple[Callable[[SmallOps, bool], torch.Tensor], list[torch.Tensor]]:
+    """A function computing the op with ``ops`` (in fp64 when asked), and its inputs."""
+    dtype = torch_dtype(case.dtype)
+    if case.op == "rms_norm":
+        x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dtype)
+        w = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
+
+        def rms(o: SmallOps, fp64: bool) -> torch.Tensor:
+            return o.rms_norm(x.double(), w.double(), 1e-5) if fp64 else o.rms_norm(x, w, 1e-5)
+
+        return rms, [x, w]
+    if case.op == "silu_and_mul":
+        x = torch.randn(TOKENS, 2 * INTERMEDIATE, generator=gen).mul(2).to(dtype)
+
+        def silu(o: SmallOps, fp64: bool) -> torch.Tensor:
+            return o.silu_and_mul(x.double() if fp64 else x)
+
+        return silu, [x]
+    x = torch.randn(TOKENS, HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    positions = torch.randint(0, MAX_POS, (TOKENS,), generator=gen)
+    table = _cos_sin(case.rotary_dim)
+
+    def rotary(o: SmallOps, fp64: bool) -> torch.Tensor:
+        if fp64:
+            return o.rotary(x.double(), positions, table.double(), case.rotary_dim)
+        return o.rotary(x, positions, table, case.rotary_dim)
+
+    return rotary, [x, positions, table]
+
+
+def test_small_ops(plinth_backend: Backend, ops_case: OpsCase, record_tolerance: Callable[..., None]) -> None:
+    """The backend's op matches the default op computed in fp64 from the same rounded inputs."""
+    case = ops_case
+    gen = torch.Generator().manual_seed(case.seed)
+    with kernel_call(case.id, "small_ops()"):
+        ops = plinth_backend.small_ops()
+    fn, inputs = _run(case, gen)
+    before = [bits(t).clone() for t in inputs]
+    with kernel_call(case.id, f"{case.op}()"):
+        out = fn(ops, False)
+    assert all(torch.equal(bits(t), b) for t, b in zip(inputs, before, strict=True)), (
+        f"[{case.id}] {case.op}() modified its inputs"
+    )
+    default = SmallOps()
+    verdict = compare(out.cpu(), fn(default, True), fn(default, False), HIDDEN)
+    record_tolerance(case.id, case.dtype, verdict)
+    assert verdict.ok, verdict.message(case.id)

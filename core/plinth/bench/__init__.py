@@ -1,0 +1,1 @@
+"""Benchmarks (``plinth bench ...``), one module each: ``serve`` load-tests a running server."""

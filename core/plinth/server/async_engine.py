@@ -1,0 +1,265 @@
+"""The asynchronous engine: one :class:`LLMEngine` stepped in a worker thread, many asyncio consumers.
+
+The event loop never runs the model. The engine is touched only from its own thread:
+
+- ``generate`` puts an add command on a thread-safe queue and awaits an asyncio queue of its own;
+- the engine thread drains the commands (adds, aborts), runs ``engine.step()``, and hands each step's
+  outputs back to the loop in ONE ``loop.call_soon_threadsafe`` call, which fans them out to the
+  per-request queues;
+- a consumer that stops listening (cancelled task, ``aclose``, a client gone) aborts its request on
+  the way out, so its KV blocks return to the pool at the next iteration of the engine thread.
+
+An exception inside ``engine.step`` fails the requests of that step with :class:`EngineError` (logged
+with its traceback), the engine is cleaned, and the thread keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from plinth.engine import InvalidRequest
+from plinth.outputs import RequestOutput
+from plinth.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from plinth.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5  # an idle engine thread wakes this often to notice a stop without a command
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full: the request was refused without being queued (HTTP 503)."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request; the request was aborted (HTTP 500)."""
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the scheduler, taken by the engine thread after each iteration."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    num_failed_steps_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    """Sentinel command: abort what is left and end the engine thread."""
+
+
+_STOP = _Stop()
+_Item = RequestOutput | BaseException
+
+
+class AsyncEngine:
+    """Continuous batching for asyncio: ``async for out in engine.generate(id, prompt, params)``.
+
+    :param engine: the engine to drive; after :meth:`start` only the engine thread may touch it.
+    :param max_waiting: refuse a new request (:class:`EngineOverloaded`) while this many requests
+        are queued but not yet running; None: unbounded.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[_Item]] = {}  # touched on the loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = EngineStats()
+        self._failed_steps = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine thread; outputs are delivered to the running event loop."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="plinth-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort what is left (consumers get :class:`EngineStopped`) and join the engine thread."""
+        self._stopping = True
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive (the /health answer)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest scheduler snapshot (safe to read from any thread)."""
+        return self._stats
+
+    # -- the one core API ------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Queue a request and yield its outputs as the engine advances it, the last one finished.
+
+        Leaving the iteration early (break, ``aclose``, cancellation) aborts the request.
+
+        :raises InvalidRequest: the engine refused the request (raised by the first ``__anext__``).
+        :raises EngineOverloaded: the waiting queue is full.
+        :raises EngineError: the engine failed while running it.
+        """
+        if self._stopping or self._thread is None:
+            raise EngineStopped("the server is shutting down" if self._stopping else "the engine is not started")
+        if request_id in self._streams:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt, params))
+        done = False  # True once the engine no longer holds the request
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            del self._streams[request_id]
+            if not done:
+                self._commands.put(_Abort(request_id))
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            items: list[tuple[str, _Item]] = []
+            stop = self._apply_commands(block=not engine.has_unfinished(), items=items)
+            if stop:
+                for rid in engine.abort_all():
+                    items.append((rid, EngineStopped("the server shut down before the request finished")))
+                self._deliver(items)
+                self._snapshot()
+                return
+            if engine.has_unfinished():
+                try:
+                    for out in engine.step():
+                        # the engine keeps mutating its metrics object: hand the loop a copy
+                        out.metrics = dataclasses.replace(out.metrics)
+                        items.append((out.request_id, out))
+                except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop
+                    self._failed_steps += 1
+                    aborted = engine.abort_all()
+                    logger.exception("engine step failed; aborted %d request(s): %s", len(aborted), aborted)
+                    error = EngineError(f"the engine failed while running this request ({type(exc).__name__})")
+                    items.extend((rid, error) for rid in aborted)
+            self._deliver(items)
+            self._snapshot()
+
+    def _apply_commands(self, block: bool, items: list[tuple[str, _Item]]) -> bool:
+        """Apply every queued command (waiting for one when ``block``); True when asked to stop."""
+        try:
+            command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        engine = self.engine
+        while True:
+            if isinstance(command, _Stop):
+                return True
+            if isinstance(command, _Abort):
+                engine.abort_request(command.request_id)
+            else:
+                error = self._add(command)
+                if error is not None:
+                    items.append((command.request_id, error))
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+
+    def _add(self, command: _Add) -> BaseException | None:
+        """Add a request to the engine; the exception to hand its consumer when refused."""
+        engine = self.engine
+        if self.max_waiting is not None and engine.scheduler.num_waiting >= self.max_waiting:
+            return EngineOverloaded(
+                f"the server is overloaded: {engine.scheduler.num_waiting} requests are waiting "
+                f"(--max-waiting {self.max_waiting}); retry later"
+            )
+        try:
+            engine.add_request(command.request_id, command.prompt, command.params)
+        except InvalidRequest as exc:
+            return exc  # refused before anything was queued
+        except ValueError as exc:  # the scheduler refused it after the engine registered it
+            engine.abort_request(command.request_id)
+            return InvalidRequest(str(exc))
+        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
+            engine.abort_request(command.request_id)
+            logger.exception("adding request %s failed", command.request_id)
+            return EngineError(f"the engine could not add this request ({type(exc).__name__})")
+        return None
+
+    def _deliver(self, items: list[tuple[str, _Item]]) -> None:
+        if not items or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._fan_out, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            logger.debug("event loop closed; %d output(s) dropped", len(items))
+
+    def _fan_out(self, items: list[tuple[str, _Item]]) -> None:
+        """On the loop thread: put each output on its request's queue (gone when it was aborted)."""
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(item)
+
+    def _snapshot(self) -> None:
+        s = self.engine.scheduler
+        self._stats = EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            num_preemptions_total=s.num_preemptions_total,
+            prefix_cache_queries_total=s.prefix_cache_query_tokens,
+            prefix_cache_hits_total=s.prefix_cache_hit_tokens,
+            num_failed_steps_total=self._failed_steps,
+        )

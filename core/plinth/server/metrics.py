@@ -1,0 +1,132 @@
+"""Prometheus metrics, named like vLLM's with the ``plinth:`` prefix, in a registry of their own.
+
+Scheduler state (running, waiting, KV usage, preemptions, prefix-cache tokens) is read at scrape
+time from the engine thread's latest :class:`EngineStats` snapshot; per-request measures (tokens,
+time to first token, inter-token latency, end-to-end latency, finish reasons) are observed on the
+event loop as outputs arrive, through one :class:`RequestTracker` per engine request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from plinth.outputs import RequestOutput
+from plinth.server.async_engine import EngineStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from the engine thread's snapshot at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats], labels: dict[str, str]) -> None:
+        self._stats = stats
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("plinth:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("plinth:num_requests_waiting", "Requests queued, not yet running.", s.num_waiting)
+        yield gauge("plinth:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).", s.kv_usage)
+        yield counter("plinth:num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total)
+        queries = s.prefix_cache_queries_total
+        yield counter("plinth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter("plinth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_total)
+        yield counter("plinth:engine_step_failures", "Engine steps that raised.", s.num_failed_steps_total)
+
+
+class ServerMetrics:
+    """The server's Prometheus registry.
+
+    :param stats: returns the latest engine snapshot (called at scrape time).
+    :param model_name: the ``model_name`` label of every metric.
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.registry.register(_EngineCollector(stats, labels))
+        reg, names = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("plinth:prompt_tokens", "Prompt tokens processed.", names, registry=reg)
+        self.generation_tokens = Counter("plinth:generation_tokens", "Tokens generated.", names, registry=reg)
+        self.request_success = Counter(
+            "plinth:request_success", "Completions finished, by reason.", [*names, "finished_reason"], registry=reg
+        )
+        self.ttft = Histogram(
+            "plinth:time_to_first_token_seconds", "Time to first token.", names, buckets=_LATENCY_BUCKETS, registry=reg
+        )
+        self.itl = Histogram(
+            "plinth:inter_token_latency_seconds", "Time between tokens.", names, buckets=_ITL_BUCKETS, registry=reg
+        )
+        self.e2e = Histogram(
+            "plinth:e2e_request_latency_seconds", "Arrival to finish.", names, buckets=_E2E_BUCKETS, registry=reg
+        )
+        self._label = model_name
+
+    def tracker(self) -> RequestTracker:
+        """A tracker for one engine request."""
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Turns one request's successive outputs into metric observations."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._num_tokens = 0
+        self._last_time: float | None = None
+        self._started = False
+        self._closed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        """Count what ``out`` adds over the previous output of the same request."""
+        m, label = self._m, self._m._label
+        metrics = out.metrics
+        if not self._started:
+            self._started = True
+            m.prompt_tokens.labels(label).inc(metrics.num_prompt_tokens)
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        new = num_tokens - self._num_tokens
+        if new > 0:
+            m.generation_tokens.labels(label).inc(new)
+            now = metrics.last_token_time
+            if self._num_tokens == 0 and metrics.time_to_first_token is not None:
+                m.ttft.labels(label).observe(metrics.time_to_first_token)
+            elif now is not None and self._last_time is not None:
+                m.itl.labels(label).observe(now - self._last_time)
+            self._num_tokens, self._last_time = num_tokens, now
+        if out.finished:
+            self._closed = True
+            for c in out.outputs:
+                m.request_success.labels(label, c.finish_reason or "abort").inc()
+            end = metrics.finished_time or time.monotonic()
+            m.e2e.labels(label).observe(end - metrics.arrival_time)
+
+    def close(self) -> None:
+        """The request ended: one that started but did not finish counts as aborted."""
+        if self._started and not self._closed:
+            self._closed = True
+            self._m.request_success.labels(self._m._label, "abort").inc()

@@ -1,0 +1,314 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming (SSE) and not.
+
+Each prompt of a request is one engine request (``n`` completions each); choice ``k`` of prompt ``i``
+has index ``i * n + k``, as OpenAI numbers them. Streams are primed before the response starts, so
+a refused request gets its HTTP status; an error after that is sent as a last ``data: {"error": ...}``
+event before ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from plinth.outputs import RequestOutput, TokenLogprob
+from plinth.sampling_params import SamplingParams
+from plinth.server.app import ServerState, get_state
+from plinth.server.errors import as_api_error, error_body
+from plinth.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    TopLogprob,
+    Usage,
+)
+from plinth.server.streams import (
+    ChoiceCursor,
+    ClientDisconnected,
+    Streams,
+    close_all,
+    collect,
+    merge,
+    sse,
+    start_streams,
+    stop_holdback,
+)
+
+router = APIRouter()
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "invalid request"},
+    401: {"description": "missing or wrong API key"},
+    404: {"description": "unknown model"},
+    503: {"description": "overloaded or shutting down"},
+}
+_DONE = "data: [DONE]\n\n"
+
+
+async def engine_outputs(
+    st: ServerState, request_id: str, prompt: str | list[int], params: SamplingParams
+) -> AsyncGenerator[RequestOutput, None]:
+    """The engine's outputs for one request, observed by the metrics; closing it aborts the request."""
+    tracker = st.metrics.tracker()
+    stream = st.engine.generate(request_id, prompt, params)
+    try:
+        async for out in stream:
+            tracker.observe(out)
+            yield out
+    finally:
+        tracker.close()
+        await stream.aclose()
+
+
+def _usage(outs: dict[int, RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outs.values())
+    completion = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _usage_from_counts(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(st: ServerState, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for lp in lps:
+        token = st.token_text(lp.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({st.token_text(t): v for t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def _chat_logprobs(st: ServerState, lps: list[TokenLogprob], top_n: int) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = st.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                **entry(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top[:top_n]]
+            )
+            for lp in lps
+        ]
+    )
+
+
+# -- completions --------------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
+    """OpenAI completions: one or more prompts, ``n`` completions each."""
+    st = get_state(request)
+    model = st.model_name(body.model)
+    body.check_supported()
+    prompts = body.prompts()
+    for i, p in enumerate(prompts):
+        if isinstance(p, list):
+            st.check_token_ids(p, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+    params = body.sampling_params(st.max_tokens(body.max_tokens), body.logprobs)
+    st.check_n(params.n)
+    base = f"cmpl-{uuid.uuid4().hex}"
+    streams: Streams = {i: engine_outputs(st, f"{base}-{i}", p, params) for i, p in enumerate(prompts)}
+    created = int(time.time())
+    echo: dict[int, str] = {}
+    if body.echo:
+        echo = {i: p if isinstance(p, str) else st.tokenizer.decode(p) for i, p in enumerate(prompts)}
+    if body.stream:
+        firsts = await start_streams(streams)
+        gen = _completion_stream(st, body, params, base, model, created, echo, firsts, streams)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    try:
+        finals = await collect(request, streams)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = []
+    for i, out in sorted(finals.items()):
+        for c in out.outputs:
+            prefix = echo.get(i, "")
+            choices.append(
+                CompletionChoice(
+                    index=i * params.n + c.index,
+                    text=prefix + c.text,
+                    logprobs=_completion_logprobs(st, c.logprobs, len(prefix)) if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    return CompletionResponse(id=base, created=created, model=model, choices=choices, usage=_usage(finals))
+
+
+async def _completion_stream(
+    st: ServerState,
+    body: CompletionRequest,
+    params: SamplingParams,
+    base: str,
+    model: str,
+    created: int,
+    echo: dict[int, str],
+    firsts: dict[int, RequestOutput],
+    streams: Streams,
+) -> AsyncIterator[str]:
+    cursors: dict[int, ChoiceCursor] = {}
+    prompt_tokens = {i: len(o.prompt_token_ids) for i, o in firsts.items()}
+    holdback = stop_holdback(params.stop)
+    try:
+        async for i, out in merge(firsts, streams):
+            for c in out.outputs:
+                index = i * params.n + c.index
+                cursor = cursors.get(index)
+                prefix = ""
+                if cursor is None:
+                    cursor = cursors[index] = ChoiceCursor(holdback)
+                    prefix = echo.get(i, "")
+                delta = cursor.advance(c)
+                if delta is None and not prefix:
+                    continue
+                text = prefix + (delta.text if delta else "")
+                logprobs = None
+                if body.logprobs is not None and delta is not None:
+                    offset = cursor.chars - len(delta.text)
+                    logprobs = _completion_logprobs(st, delta.logprobs, offset).model_dump()
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason if delta else None,
+                    "stop_reason": c.stop_reason if c.finished else None,
+                }
+                yield sse(
+                    {"id": base, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+                )
+        if body.include_usage:
+            usage = _usage_from_counts(sum(prompt_tokens.values()), sum(c.tokens for c in cursors.values()))
+            yield sse(
+                {
+                    "id": base,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+    except Exception as exc:  # noqa: BLE001 - the response has started: report in-band
+        err = as_api_error(exc)
+        yield sse(error_body(err.status, err.message, err.param, err.type))
+    finally:
+        await close_all(streams.values())
+    yield _DONE
+
+
+# -- chat -----------------------------------------------------------------------------------------------
+
+
+async def chat_prompt(st: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Render messages with the chat template and tokenize (off the event loop: prompts can be long)."""
+    text = st.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ids: list[int] = await asyncio.to_thread(st.tokenizer.encode, text, add_special_tokens=False)
+    return ids
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
+    """OpenAI chat completions on the model's chat template."""
+    st = get_state(request)
+    model = st.model_name(body.model)
+    body.check_supported()
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(st.max_tokens(body.max_new_tokens), logprobs)
+    st.check_n(params.n)
+    prompt = await chat_prompt(st, body.template_messages(), body.add_generation_prompt)
+    base = f"chatcmpl-{uuid.uuid4().hex}"
+    streams: Streams = {0: engine_outputs(st, base, prompt, params)}
+    created = int(time.time())
+    top_n = body.top_logprobs or 0
+    if body.stream:
+        firsts = await start_streams(streams)
+        return StreamingResponse(
+            _chat_stream(st, body, params, base, model, created, firsts, streams), media_type="text/event-stream"
+        )
+    try:
+        finals = await collect(request, streams)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    out = finals[0]
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=_chat_logprobs(st, c.logprobs, top_n) if c.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+    return ChatCompletionResponse(id=base, created=created, model=model, choices=choices, usage=_usage(finals))
+
+
+async def _chat_stream(
+    st: ServerState,
+    body: ChatCompletionRequest,
+    params: SamplingParams,
+    base: str,
+    model: str,
+    created: int,
+    firsts: dict[int, RequestOutput],
+    streams: Streams,
+) -> AsyncIterator[str]:
+    head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model}
+    cursors: dict[int, ChoiceCursor] = {}
+    holdback = stop_holdback(params.stop)
+    top_n = body.top_logprobs or 0
+    prompt_tokens = len(firsts[0].prompt_token_ids)
+    try:
+        async for _, out in merge(firsts, streams):
+            for c in out.outputs:
+                cursor = cursors.get(c.index)
+                if cursor is None:  # a choice's first chunk carries the role
+                    cursor = cursors[c.index] = ChoiceCursor(holdback)
+                    role = {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield sse({**head, "choices": [role]})
+                delta = cursor.advance(c)
+                if delta is None:
+                    continue
+                logprobs = _chat_logprobs(st, delta.logprobs, top_n).model_dump() if body.logprobs else None
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason,
+                    "stop_reason": c.stop_reason if c.finished else None,
+                }
+                yield sse({**head, "choices": [choice]})
+        if body.include_usage:
+            usage = _usage_from_counts(prompt_tokens, sum(c.tokens for c in cursors.values()))
+            yield sse({**head, "choices": [], "usage": usage})
+    except Exception as exc:  # noqa: BLE001 - the response has started: report in-band
+        err = as_api_error(exc)
+        yield sse(error_body(err.status, err.message, err.param, err.type))
+    finally:
+        await close_all(streams.values())
+    yield _DONE

@@ -1,0 +1,224 @@
+"""Deliberately broken backends: the conformance suite must fail each of them, for the right reason.
+
+Each is the reference backend with one realistic bug. The tests copy this file next to a fake
+``dist-info`` on ``sys.path`` so the plugin host discovers them by entry point, exactly like an
+installed plugin (see ``fake_broken_dist`` in test_broken_backends.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from plinth.hookspecs import hookimpl
+from plinth.platform.backend import (
+    AttentionKernels,
+    AttentionMetadata,
+    AttentionSpec,
+    Backend,
+    Capabilities,
+    GemmKernels,
+    KVCacheLayout,
+    LinearWeight,
+    NotSupported,
+)
+from plinth.platform.reference import ReferenceAttention, ReferenceBackend, ReferenceGemm
+
+
+def _full_block_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, read_whole_pages: bool
+) -> torch.Tensor:
+    """Attention with a page-loop bug: either only whole pages are read (the last partial page is
+    ignored) or whole pages are read without masking past the sequence's end."""
+    out = torch.zeros_like(query)
+    block = kv_cache.shape[2]
+    group = query.shape[1] // kv_cache.shape[3]
+    starts = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        q_len = starts[i + 1] - starts[i]
+        pages = math.ceil(seq_len / block) if read_whole_pages else seq_len // block  # the bug
+        if pages == 0:
+            continue
+        table = meta.block_tables[i, :pages].long()
+        k = kv_cache[0, table].flatten(0, 1).repeat_interleave(group, dim=1)  # [pages*B, H, D]
+        v = kv_cache[1, table].flatten(0, 1).repeat_interleave(group, dim=1)
+        q = query[starts[i] : starts[i + 1]]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(k.shape[0])[None, :]
+        # causal masking is right; it cannot help: 0 * NaN is NaN when a read past the end is summed
+        probs = torch.softmax(scores.masked_fill(k_pos > q_pos, float("-inf")), dim=-1)
+        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+class _IgnoresPartialBlock(ReferenceAttention):
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float):  # noqa: ANN201
+        return _full_block_attention(query, kv_cache, meta, scale, read_whole_pages=False)
+
+
+class _ReadsPastEnd(ReferenceAttention):
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float):  # noqa: ANN201
+        return _full_block_attention(query, kv_cache, meta, scale, read_whole_pages=True)
+
+
+class _IgnoresPaddingSlot(ReferenceAttention):
+    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:  # noqa: ANN001
+        block = kv_cache.shape[2]
+        slots = slot_mapping.long()  # the bug: -1 becomes page -1, offset block-1 (the last slot)
+        kv_cache[0, slots // block, slots % block] = key
+        kv_cache[1, slots // block, slots % block] = value
+
+
+class _WrongScaleFor80(ReferenceAttention):
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float):  # noqa: ANN201
+        if self.spec.head_size == 80:
+            scale = 1.0 / 8.0  # the bug: a kernel specialised for 64 reused for 80
+        return super().forward(query, kv_cache, meta, scale)
+
+
+class _DropsKTail(ReferenceGemm):
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        assert weight.weight is not None
+        k = x.shape[1] // 64 * 64  # the bug: a 64-wide K loop without the remainder
+        out = torch.matmul(x[:, :k], weight.weight[:, :k].t())
+        return out if weight.bias is None else out + weight.bias
+
+
+class _Broken(ReferenceBackend):
+    """The reference backend with a bug; ``attention_cls`` / ``gemm_cls`` swap one kernel."""
+
+    attention_cls: type[AttentionKernels] = ReferenceAttention
+    gemm_cls: type[GemmKernels] = ReferenceGemm
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._caps = self.declare()
+
+    def declare(self) -> Capabilities:
+        """A realistic declaration: fp32, model head sizes, block 16 (so broken cases run fast)."""
+        return Capabilities(
+            dtypes=frozenset({"float32"}),
+            kv_cache_dtypes=frozenset({"float32"}),
+            head_sizes=frozenset({64, 128}),
+            block_sizes=(16,),
+            kv_cache_layout=KVCacheLayout(),
+        )
+
+    def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
+        reasons = self._caps.unsupported(spec)
+        if reasons:
+            raise NotSupported(self.name, "attention", reasons)
+        return self.attention_cls(spec, self._caps.kv_cache_layout)
+
+    def gemm_kernels(self, dtype: str) -> GemmKernels:
+        if dtype not in self._caps.dtypes:
+            raise NotSupported(self.name, f"GEMM in {dtype}", "fp32 only")
+        return self.gemm_cls(torch.float32)
+
+
+class PartialBlockBackend(_Broken):
+    name = "broken_partial_block"
+    attention_cls = _IgnoresPartialBlock
+
+
+class ReadsPastEndBackend(_Broken):
+    name = "broken_reads_past_end"
+    attention_cls = _ReadsPastEnd
+
+
+class KTailBackend(_Broken):
+    name = "broken_k_tail"
+    gemm_cls = _DropsKTail
+
+
+class PaddingSlotBackend(_Broken):
+    name = "broken_padding_slot"
+    attention_cls = _IgnoresPaddingSlot
+
+
+class LiesAbout80Backend(_Broken):
+    """Declares head size 80 and computes it wrong."""
+
+    name = "broken_lies_80"
+    attention_cls = _WrongScaleFor80
+
+    def declare(self) -> Capabilities:
+        caps = super().declare()
+        return Capabilities(**{**_fields(caps), "head_sizes": frozenset({64, 80, 128})})
+
+
+class Raises80Backend(_Broken):
+    """Declares head size 80, then raises a ValueError for it."""
+
+    name = "broken_raises_80"
+
+    def declare(self) -> Capabilities:
+        return Capabilities(**{**_fields(super().declare()), "head_sizes": frozenset({64, 80, 128})})
+
+    def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
+        if spec.head_size == 80:
+            raise ValueError("head size 80 is not implemented")
+        return super().attention_kernels(spec)
+
+
+class AcceptsAnythingBackend(_Broken):
+    """Never raises NotSupported: undeclared cases return (reference) numbers."""
+
+    name = "broken_accepts_anything"
+
+    def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
+        return ReferenceAttention(spec, self._caps.kv_cache_layout)
+
+    def gemm_kernels(self, dtype: str) -> GemmKernels:
+        return ReferenceGemm({"float64": torch.float64}.get(dtype, torch.float32))
+
+
+class DeclaresNothingBackend(_Broken):
+    """Declares no capability at all: the mandatory profile must make it fail."""
+
+    name = "broken_declares_nothing"
+
+    def declare(self) -> Capabilities:
+        return Capabilities(frozenset(), frozenset(), frozenset(), ())
+
+
+def _fields(caps: Capabilities) -> dict[str, object]:
+    return {name: getattr(caps, name) for name in Capabilities.__dataclass_fields__}
+
+
+class _Plugin:
+    """A plugin object registering one backend class (one entry point per broken backend)."""
+
+    def __init__(self, cls: type[Backend]) -> None:
+        self.cls = cls
+
+    @hookimpl
+    def plinth_register_backends(self) -> Sequence[Backend]:
+        return [self.cls()]
+
+
+BROKEN: dict[str, type[_Broken]] = {
+    cls.name: cls
+    for cls in (
+        PartialBlockBackend,
+        ReadsPastEndBackend,
+        KTailBackend,
+        PaddingSlotBackend,
+        LiesAbout80Backend,
+        Raises80Backend,
+        AcceptsAnythingBackend,
+        DeclaresNothingBackend,
+    )
+}
+PLUGINS = {name: _Plugin(cls) for name, cls in BROKEN.items()}
+partial_block = PLUGINS["broken_partial_block"]
+reads_past_end = PLUGINS["broken_reads_past_end"]
+k_tail = PLUGINS["broken_k_tail"]
+padding_slot = PLUGINS["broken_padding_slot"]
+lies_80 = PLUGINS["broken_lies_80"]
+raises_80 = PLUGINS["broken_raises_80"]
+accepts_anything = PLUGINS["broken_accepts_anything"]
+declares_nothing = PLUGINS["broken_declares_nothing"]

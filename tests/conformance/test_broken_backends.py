@@ -1,0 +1,178 @@
+"""The suite tests itself: each deliberately broken backend fails, each for the right reason, with a
+message naming the case and the error, the case's seed, and a command that re-runs it alone."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from plinth_conformance.cli import suite_args
+
+pytest_plugins = ["pytester"]
+
+HERE = Path(__file__).resolve().parent
+MODULE = "plinth_broken_backends"  # the name the copied module gets on sys.path
+
+
+def _write_dist(root: Path) -> None:
+    """A fake installed distribution with one ``plinth.backends`` entry point per broken backend."""
+    shutil.copy(HERE / "broken_backends.py", root / f"{MODULE}.py")
+    info = root / "plinth_broken-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plinth-broken\nVersion: 0.0.1\n")
+    names = [
+        "partial_block",
+        "reads_past_end",
+        "k_tail",
+        "padding_slot",
+        "lies_80",
+        "raises_80",
+        "accepts_anything",
+        "declares_nothing",
+    ]
+    lines = "\n".join(f"broken_{n} = {MODULE}:{n}" for n in names)
+    (info / "entry_points.txt").write_text(f"[plinth.backends]\n{lines}\n")
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The fake distribution on sys.path for this module's tests (removed afterwards)."""
+    root = tmp_path_factory.mktemp("broken_site")
+    _write_dist(root)
+    sys.path.insert(0, str(root))
+    yield root
+    sys.path.remove(str(root))
+    sys.modules.pop(MODULE, None)
+
+
+def _run(pytester: pytest.Pytester, backend: str, tier: str, keyword: str | None) -> pytest.RunResult:
+    return pytester.runpytest(*suite_args(backend, tier, keyword=keyword))
+
+
+def _failures(result: pytest.RunResult) -> dict[str, str]:
+    """Case id -> message of every failed case, from the suite's own end-of-run list."""
+    out = {}
+    for line in result.outlines:
+        m = re.match(r"FAILED (?P<case>\S+) \(seed \d+\): (?P<msg>.*)", line)
+        if m:
+            out[m["case"]] = m["msg"]
+    return out
+
+
+def test_attention_ignoring_the_last_partial_block_fails(pytester: pytest.Pytester, broken_site: Path) -> None:
+    result = _run(pytester, "broken_partial_block", "core", "attn or kvwrite")
+    failed = _failures(result)
+    assert failed and all(case.startswith("attn-") for case in failed), failed  # KV writes still pass
+    msg = failed["attn-f32-h64-bs16-g2x2-decode"]
+    assert "[attn-f32-h64-bs16-g2x2-decode]" in msg and "relative error" in msg
+    result.stdout.fnmatch_lines(
+        [
+            "*worst at token*sequence*",
+            "*seed: *",
+            "*plinth conformance --backend broken_partial_block --tier extended -k '[[]attn-*]'*",
+        ]
+    )
+
+
+def test_attention_reading_past_the_sequence_end_fails_on_nan_pages(
+    pytester: pytest.Pytester, broken_site: Path
+) -> None:
+    failed = _failures(_run(pytester, "broken_reads_past_end", "core", "attn-f32-h64"))
+    assert failed
+    assert all("NaN/Inf where the fp64 result is finite" in m for m in failed.values()), failed
+
+
+def test_gemm_dropping_the_k_tail_fails_only_unaligned_shapes(pytester: pytest.Pytester, broken_site: Path) -> None:
+    result = _run(pytester, "broken_k_tail", "core", "gemm")
+    failed = _failures(result)
+    # K = 255 has a tail past the last multiple of 64; SmolLM2's K of 576 and 1536 do not
+    assert set(failed) == {
+        "gemm-f32-33x255x513-bias",
+        "gemm-f32-33x255x513-bias-x-transposed",
+        "gemm-f32-33x255x513-bias-x-strided",
+        "gemm-f32-33x255x513-bias-w-transposed",
+    }, failed
+    assert all("relative error" in m and "worst at row" in m for m in failed.values())
+
+
+def test_kv_write_ignoring_the_padding_sentinel_fails(pytester: pytest.Pytester, broken_site: Path) -> None:
+    failed = _failures(_run(pytester, "broken_padding_slot", "core", "kvwrite or attn-f32-h64-bs16-g1x2"))
+    assert set(failed) == {
+        "kvwrite-f32-h64-bs16-kvh2",
+        "kvwrite-f32-h128-bs16-kvh2",
+        "kvwrite-f32-h128-bs16-kvh2-strided",
+    }, failed
+    assert all("slots it was not given were changed" in m and "last slot" in m for m in failed.values())
+
+
+def test_declared_head_size_computed_wrong_fails(pytester: pytest.Pytester, broken_site: Path) -> None:
+    failed = _failures(_run(pytester, "broken_lies_80", "extended", "attn and h80"))
+    assert failed == {"attn-f32-h80-bs16-g4x2-mixed": failed["attn-f32-h80-bs16-g4x2-mixed"]}
+    assert "relative error" in failed["attn-f32-h80-bs16-g4x2-mixed"]
+
+
+def test_declared_head_size_raising_something_else_fails(pytester: pytest.Pytester, broken_site: Path) -> None:
+    failed = _failures(_run(pytester, "broken_raises_80", "extended", "h80 or undeclared"))
+    assert set(failed) == {"attn-f32-h80-bs16-g4x2-mixed", "kvwrite-f32-h80-bs16-kvh1"}, failed
+    for case, message in failed.items():
+        assert f"[{case}] attention_kernels() raised ValueError: head size 80 is not implemented" in message
+
+
+def test_undeclared_cases_returning_numbers_fail(pytester: pytest.Pytester, broken_site: Path) -> None:
+    failed = _failures(_run(pytester, "broken_accepts_anything", "core", "undeclared"))
+    assert {
+        "undeclared-head-size-80",
+        "undeclared-block-size-3",
+        "undeclared-dtype-f64",
+        "undeclared-gemm-dtype-f64",
+        "undeclared-sliding-window",
+        "undeclared-logits-soft-cap",
+    } <= set(failed)
+    assert all("returned numbers instead of raising NotSupported" in m for m in failed.values()), failed
+
+
+def test_declaring_nothing_fails_the_mandatory_profile(pytester: pytest.Pytester, broken_site: Path) -> None:
+    result = _run(
+        pytester, "broken_declares_nothing", "core", "mandatory or attn-f32-h64-bs16-g1x2-mixed or gemm-f32-1x"
+    )
+    result.stdout.fnmatch_lines(["*[[]mandatory-profile[]] not declared: dtype float32*head size 64*block size 16*"])
+    failed = _failures(result)
+    assert "the mandatory core profile needs this case" in failed["attn-f32-h64-bs16-g1x2-mixed"]
+    assert "mandatory core profile needs GEMM in float32" in failed["gemm-f32-1x576x576-bias"]
+    assert result.ret != 0
+
+
+def test_cli_exits_nonzero_and_the_printed_command_reruns_one_case(
+    pytester: pytest.Pytester, broken_site: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(broken_site), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "plinth.cli",
+        "conformance",
+        "--backend",
+        "broken_padding_slot",
+        "--tier",
+        "core",
+        "-k",
+        "kvwrite-f32-h64",
+        "--report",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rerun = re.search(r"plinth conformance --backend broken_padding_slot --tier extended -k '(\[[^']+\])'", proc.stdout)
+    assert rerun, proc.stdout[-3000:]
+    assert (tmp_path / "junit.xml").is_file()
+    cert = (tmp_path / "certificate.json").read_text()
+    assert '"result": "failed"' in cert and "kvwrite-f32-h64-bs16-kvh2" in cert
+    again = _run(pytester, "broken_padding_slot", "extended", rerun.group(1))
+    again.assert_outcomes(failed=1)

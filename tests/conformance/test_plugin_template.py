@@ -1,0 +1,95 @@
+"""The template tests itself: render a plugin, install it with ``pip install -e``, run its tests
+(which run the conformance core tier through ``plinth conformance``).
+
+The install goes into a throw-away virtual environment layered on this one (a ``.pth`` that adds
+this environment's site-packages), so the shared environment other test runs use never sees the
+rendered plugin, and teardown is deleting a directory.
+"""
+
+from __future__ import annotations
+
+import site
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from plinth.cli import main
+from plinth_conformance.template import render_plugin
+
+
+def _layered_venv(root: Path) -> Path:
+    """A venv without pip whose interpreter also sees this environment's packages; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    python = root / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # addsitedir (not a bare path) so this environment's own .pth files (editable installs) run too
+    lines = [f"import site; site.addsitedir({p!r})" for p in site.getsitepackages()]
+    (Path(purelib) / "_plinth_parent_env.pth").write_text("\n".join(lines) + "\n")
+    return python
+
+
+def test_plugin_new_renders_a_complete_package(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugin", "new", "acme_npu", "--dest", str(tmp_path)]) == 0
+    dest = tmp_path / "plinth-acme-npu"
+    assert str(dest) in capsys.readouterr().out
+    for path in (
+        "pyproject.toml",
+        "README.md",
+        ".copier-answers.yml",
+        ".github/workflows/conformance.yml",
+        "plinth_acme_npu/plugin.py",
+        "plinth_acme_npu/backend.py",
+        "plinth_acme_npu/attention.py",
+        "plinth_acme_npu/gemm.py",
+        "tests/test_conformance.py",
+    ):
+        assert (dest / path).is_file(), path
+    project = tomllib.loads((dest / "pyproject.toml").read_text())
+    assert project["project"]["entry-points"]["plinth.backends"] == {"acme_npu": "plinth_acme_npu.plugin"}
+    answers = (dest / ".copier-answers.yml").read_text()
+    assert "backend_name: acme_npu" in answers and "_src_path:" in answers
+    workflow = (dest / ".github/workflows/conformance.yml").read_text()
+    assert "self-hosted" in workflow and "plinth conformance --backend acme_npu --tier all" in workflow
+    assert "${{ github.sha }}" in workflow  # GitHub's own expressions survive the jinja rendering
+    assert "class AcmeNpuBackend(Backend)" in (dest / "plinth_acme_npu/backend.py").read_text()
+    with pytest.raises(ValueError, match="already exists"):
+        render_plugin("acme_npu", tmp_path)
+    with pytest.raises(ValueError, match="lowercase"):
+        render_plugin("Acme-NPU", tmp_path)
+
+
+@pytest.mark.slow
+def test_rendered_plugin_installs_and_passes_the_core_tier(tmp_path: Path) -> None:
+    dest = render_plugin("tmplcheck", tmp_path / "src")
+    python = _layered_venv(tmp_path / "venv")
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-e",
+        str(dest),
+    ]
+    subprocess.run(pip, check=True, capture_output=True, timeout=300)
+    tests = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=dest,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-3000:]
+    assert "2 passed" in tests.stdout  # discovered by entry point with its hook, and the core tier passed
