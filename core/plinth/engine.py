@@ -48,6 +48,7 @@ class _Sequence:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    stop_scan_from: int = 0  # text before this was already searched for stop strings
 
 
 @dataclass(slots=True)
@@ -190,6 +191,8 @@ class LLMEngine:
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
         )
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequest(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         request = Request(request_id, prompt_ids, stop, n=params.n, params=params)
         self._groups[request_id] = _Group(
             request_id,
@@ -199,7 +202,12 @@ class LLMEngine:
             RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids)),
         )
         self._add_sequence(request_id, request_id, 0)
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as exc:  # the scheduler's own guard: forget the request, keep serving
+            self._groups.pop(request_id, None)
+            self._seq_group.pop(request_id, None)
+            raise InvalidRequest(str(exc)) from exc
 
     def _add_sequence(self, group_id: str, seq_id: str, index: int) -> _Sequence:
         group = self._groups[group_id]
@@ -293,6 +301,7 @@ class LLMEngine:
             seq.logprobs.append(TokenLogprob(result.token_id, result.logprob or 0.0, result.top_logprobs or []))
         seq.detok.step(new_ids)
         if req.status.finished:
+            seq.detok.flush()  # the sequence is over: emit any held-back partial character
             seq.finish_reason = req.status.finish_reason
             last = new_ids[-1]
             if req.status is RequestStatus.FINISHED_STOPPED and last in req.stop.stop_token_ids:
@@ -304,15 +313,24 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop
 
     def _find_stop_string(self, params: SamplingParams, seq: _Sequence) -> str | None:
-        if not params.stop or len(seq.detok.output_ids) <= params.min_tokens:
+        """The earliest stop string in the text added since the last scan (a stop may straddle the
+        boundary); text produced before ``min_tokens`` is never searched."""
+        if not params.stop:
             return None
         text = seq.detok.text
+        scan_from, seq.stop_scan_from = seq.stop_scan_from, len(text)
+        if len(seq.detok.output_ids) <= params.min_tokens:
+            return None
+        found: tuple[int, str] | None = None
         for stop in params.stop:
-            pos = text.find(stop)
-            if pos >= 0:
-                seq.detok.truncate(pos + len(stop) if params.include_stop_str_in_output else pos)
-                return stop
-        return None
+            pos = text.find(stop, max(0, scan_from - len(stop) + 1))
+            if pos >= 0 and (found is None or pos < found[0]):
+                found = (pos, stop)
+        if found is None:
+            return None
+        pos, stop = found
+        seq.detok.truncate(pos + len(stop) if params.include_stop_str_in_output else pos)
+        return stop
 
     def _output(self, group: _Group) -> RequestOutput:
         completions = [

@@ -49,7 +49,7 @@ class Sampler:
         gen = self._generators.get(key)
         if gen is None:
             gen = torch.Generator()
-            gen.manual_seed(seed)
+            gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # any int (seed + sample index) maps into uint64
             self._generators[key] = gen
         return gen
 

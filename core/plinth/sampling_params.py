@@ -26,7 +26,9 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1: all")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, description="per-request seed: the same seed gives the same tokens")
+    seed: int | None = Field(
+        None, ge=-(2**63), lt=2**64, description="per-request seed: the same seed gives the same tokens"
+    )
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

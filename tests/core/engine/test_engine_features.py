@@ -154,3 +154,23 @@ def test_bad_engine_options(folder: Path, tmp_path: Path) -> None:
 def test_sampling_param_errors_name_the_field(llm: LLM) -> None:
     with pytest.raises(ValidationError, match="top_p"):
         llm.generate("x", SamplingParams(top_p=2.0))
+
+
+def test_refused_n_and_huge_seeds_leave_the_engine_clean(folder: Path) -> None:
+    llm = LLM(model=str(folder), backend="cpu", num_kv_blocks=64, block_size=16, max_num_seqs=4)
+    engine = llm.engine
+    with pytest.raises(InvalidRequest, match="exceeds max_num_seqs"):
+        engine.add_request("too-many", "hi", SamplingParams(n=5))
+    assert not engine.has_unfinished()
+    [out] = llm.generate("hi", SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=3, ignore_eos=True))
+    assert all(len(c.token_ids) == 3 for c in out.outputs)
+    with pytest.raises(ValidationError, match="seed"):
+        SamplingParams(seed=2**64)
+
+
+def test_the_earliest_stop_string_wins(llm: LLM) -> None:
+    base = llm.generate("hello world", _greedy(24))[0].outputs[0]
+    early, late = base.text[1:4], base.text[5:8]
+    assert early.strip() and late.strip() and base.text.find(early) < base.text.find(late)
+    out = llm.generate("hello world", _greedy(24, stop=[late, early]))[0].outputs[0]
+    assert out.stop_reason == early and out.text == base.text[: base.text.find(early)]

@@ -18,7 +18,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from server_helpers import ServerProcess
 
-FUZZ_BUDGET_S = 45.0  # the whole fuzz run
+FUZZ_BUDGET_S = 40.0  # the whole fuzz run
 EXAMPLES = {GenerationMode.POSITIVE: 4, GenerationMode.NEGATIVE: 3}  # per operation
 _SMALL = {"max_tokens": 2, "max_completion_tokens": 2, "n": 2, "logprobs": 2, "top_logprobs": 2}
 
