@@ -89,7 +89,12 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model, self.model_config = load_model(
             source,
-            ModelKernels(gemm=self.kernels.gemm, ops=self.kernels.ops, attention=self.kernels.attention),
+            ModelKernels(
+                gemm=self.kernels.gemm,
+                ops=self.kernels.ops,
+                attention=self.kernels.attention,
+                device=services.device,
+            ),
             dtype=torch_dtype(dtype),
             block_size=block_size,
             kv_cache_dtype=kv_dtype,

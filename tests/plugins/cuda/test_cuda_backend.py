@@ -112,6 +112,7 @@ def test_probe_old_gpu_and_missing_triton(monkeypatch: pytest.MonkeyPatch) -> No
 def test_interpreter_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """PLINTH_TRITON_INTERPRET=1: emulation, the interpreter as device, a score below cpu's 50."""
     monkeypatch.setenv(runtime.INTERPRET_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the probe sets it to 1: restored after the test
     monkeypatch.setattr(runtime, "triton_status", lambda: runtime.TritonStatus(True, "triton 9.9"))
     probe = CudaBackend().probe()
     assert probe.score == INTERPRETER_SCORE and 0 < probe.score < 50
@@ -129,6 +130,7 @@ def test_interpreter_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_undeclared_cases_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     """Undeclared head size / block size / dtype raise NotSupported with the reason."""
     monkeypatch.setenv(runtime.INTERPRET_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the probe sets it to 1: restored after the test
     b = CudaBackend()
     with pytest.raises(NotSupported, match="head size 48"):
         b.attention_kernels(AttentionSpec(4, 2, 48, 16))
@@ -152,7 +154,11 @@ def test_plinth_backends_lists_cuda_unusable() -> None:
 
 @pytest.mark.triton_interpret
 def test_engine_greedy_equals_reference(tmp_path: Path) -> None:
-    """LLM(backend="cuda") in the interpreter: the reference backend's greedy tokens on a tiny Llama."""
+    """LLM(backend="cuda") in the interpreter: the reference backend's greedy tokens on a tiny Llama.
+
+    A tiny random model tends to repeat one token, so each step's generated-token logprob is
+    compared too: that checks every decode step's numerics, not only the argmax.
+    """
     sys.path.insert(0, str(ROOT / "tests/core/engine"))
     from engine_helpers import save_tiny_folder
 
@@ -160,14 +166,17 @@ def test_engine_greedy_equals_reference(tmp_path: Path) -> None:
 
     save_tiny_folder("llama", tmp_path)
     prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2: return n\n   "]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tokens = {}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    tokens, logprobs = {}, {}
     for name in ("reference", "cuda"):
         llm = LLM(model=str(tmp_path), backend=name, max_model_len=64, num_kv_blocks=16)
         assert llm.engine.backend.name == name
-        tokens[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        tokens[name] = [list(o.token_ids) for o in outs]
+        logprobs[name] = torch.tensor([[lp.logprob for lp in o.logprobs or []] for o in outs])
     assert tokens["cuda"] == tokens["reference"]
-    assert all(len(t) == 8 for t in tokens["cuda"])
+    assert logprobs["cuda"].shape == (2, 8)
+    torch.testing.assert_close(logprobs["cuda"], logprobs["reference"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.triton_interpret

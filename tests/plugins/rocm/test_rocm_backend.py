@@ -89,6 +89,7 @@ def test_probe_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_interpreter_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """PLINTH_TRITON_INTERPRET=1: emulation in the interpreter, low score, no AMD launch options."""
     monkeypatch.setenv(runtime.INTERPRET_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the probe sets it to 1: restored after the test
     monkeypatch.setattr(runtime, "triton_status", lambda: runtime.TritonStatus(True, "triton 9.9"))
     probe = RocmBackend().probe()
     assert probe.score == INTERPRETER_SCORE and probe.emulation and probe.device_name == INTERPRETER_DEVICE

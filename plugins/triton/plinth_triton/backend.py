@@ -1,0 +1,178 @@
+"""What the CUDA and ROCm backends share: capabilities, device services, kernel factories, probing.
+
+A vendor backend (``plinth_cuda``, ``plinth_rocm``) subclasses :class:`TritonBackend` and says only
+how to find its hardware (``probe_hardware``), how to name its architecture (``arch``) and which
+collective library it would use (``communicator``). The kernels are the same Triton sources.
+
+Two modes, fixed by the environment when asked:
+
+* hardware: tensors on ``torch.device("cuda", i)`` (ROCm builds of torch use the same device type),
+  bfloat16 by default, memory from ``torch.cuda.mem_get_info``, feature ``cuda_graphs`` declared;
+* interpreter (``PLINTH_TRITON_INTERPRET=1``): the same kernels in Triton's interpreter on CPU
+  tensors, float32 by default, host memory, a score of 5 (below the cpu backend's 50: it is picked
+  only by name) and ``emulation=True``: a certificate then says "interpreter", never hardware.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import ClassVar
+
+import torch
+
+from plinth.platform.backend import (
+    AttentionKernels,
+    AttentionSpec,
+    Backend,
+    Capabilities,
+    DeviceServices,
+    GemmKernels,
+    KVCacheLayout,
+    NotSupported,
+    Probe,
+    SmallOps,
+    torch_dtype,
+)
+from plinth_triton import runtime
+from plinth_triton.ops import KernelTarget, TritonAttention, TritonGemm, TritonSmallOps
+
+#: Score on a usable GPU: above every CPU backend.
+HARDWARE_SCORE = 100
+#: Score on a GPU without bfloat16 (compute capability 7.x): usable in float16.
+NO_BF16_SCORE = 60
+#: Score in interpreter mode: usable, but below the cpu backend's 50, so only picked by name.
+INTERPRETER_SCORE = 5
+#: The probe's device name in interpreter mode.
+INTERPRETER_DEVICE = "triton interpreter (CPU)"
+
+_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+
+
+class GpuServices(DeviceServices):
+    """One GPU through torch's ``cuda`` device type (CUDA or HIP)."""
+
+    def __init__(self, device: torch.device, default: str) -> None:
+        super().__init__(device)
+        self._default = default
+
+    def memory_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of device memory, as the driver reports them."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued kernels."""
+        torch.cuda.synchronize(self.device)
+
+    def default_dtype(self) -> str:
+        """bfloat16 where the GPU has it, else float16."""
+        return self._default
+
+
+class InterpreterServices(DeviceServices):
+    """Triton's interpreter: CPU tensors, host memory, synchronous, float32 (fastest in numpy)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+
+class TritonBackend(Backend):
+    """Base of the Triton-kernel backends. Subclasses set ``name``, ``vendor``, ``communicator``."""
+
+    api_version = (1, 0)
+    #: Human name of the platform, for reasons ("CUDA", "ROCm").
+    vendor: ClassVar[str]
+    #: Collective library for tensor parallelism ("nccl", "rccl"); the core does not use it yet.
+    communicator: ClassVar[str]
+    #: Launch AMD-only options (``waves_per_eu``) from the config tables.
+    amd: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._services: dict[bool, DeviceServices] = {}
+
+    # -- what subclasses provide --------------------------------------------------------------------
+
+    @abstractmethod
+    def probe_hardware(self) -> Probe:
+        """Probe the real device; score 0 with reasons when it or its runtime is missing."""
+
+    @abstractmethod
+    def arch(self) -> str:
+        """The config-table key of the current device ("sm90", "gfx942"). Hardware mode only."""
+
+    # -- shared ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def interpreting() -> bool:
+        """True in interpreter mode (``PLINTH_TRITON_INTERPRET=1``)."""
+        return runtime.interpret_requested()
+
+    def probe(self) -> Probe:
+        """Interpreter mode when requested, else the hardware probe. Never raises for missing hardware."""
+        if not self.interpreting():
+            return self.probe_hardware()
+        status = runtime.triton_status()
+        if not status.available:
+            return Probe(0, (f"{runtime.INTERPRET_ENV}=1, but {status.detail}",), INTERPRETER_DEVICE, True)
+        reasons = (
+            f"{runtime.INTERPRET_ENV}=1: the {self.vendor} backend's Triton kernels run in Triton's "
+            f"interpreter on CPU tensors (for tests; select it by name: --backend {self.name})",
+            status.detail,
+            "emulation: not a hardware certification",
+        )
+        return Probe(INTERPRETER_SCORE, reasons, INTERPRETER_DEVICE, emulation=True)
+
+    def capabilities(self) -> Capabilities:
+        """The same envelope in both modes; ``cuda_graphs`` only on hardware."""
+        features = {"sliding_window", "logits_soft_cap"}
+        if not self.interpreting():
+            # Launches never read device memory on the host, so a step can be captured; the core has
+            # no capture hook yet (docs/gpu.md), so this only declares it.
+            features.add("cuda_graphs")
+        return Capabilities(
+            dtypes=_DTYPES,
+            kv_cache_dtypes=_DTYPES,
+            # 16/32 for tests; 80/96/112/160/192 go through the head-dim mask (padded to a power of 2)
+            head_sizes=frozenset({16, 32, 64, 80, 96, 112, 128, 160, 192, 256}),
+            block_sizes=(16, 32, 64),
+            max_gqa_ratio=None,
+            features=frozenset(features),
+            quant_formats=frozenset({"int8", "int4"}),
+            kv_cache_layout=KVCacheLayout(),
+        )
+
+    def device_services(self) -> DeviceServices:
+        """GPU services on hardware, host services in interpreter mode (one object per mode)."""
+        interpret = self.interpreting()
+        if interpret not in self._services:
+            if interpret:
+                self._services[interpret] = InterpreterServices()
+            else:
+                index = torch.cuda.current_device()
+                default = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+                self._services[interpret] = GpuServices(torch.device("cuda", index), default)
+        return self._services[interpret]
+
+    def target(self) -> KernelTarget:
+        """Where and how kernels launch now."""
+        if self.interpreting():
+            return KernelTarget("interpreter", interpret=True)
+        return KernelTarget(self.arch(), amd=self.amd)
+
+    def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
+        """:class:`TritonAttention` for ``spec``; :class:`NotSupported` with reasons otherwise."""
+        caps = self.capabilities()
+        reasons = caps.unsupported(spec)
+        if reasons:
+            raise NotSupported(self.name, "attention", reasons)
+        return TritonAttention(spec, caps.kv_cache_layout, self.target())
+
+    def gemm_kernels(self, dtype: str) -> GemmKernels:
+        """:class:`TritonGemm` computing in ``dtype``."""
+        if dtype not in _DTYPES:
+            raise NotSupported(self.name, f"GEMM in {dtype}", f"supported: {sorted(_DTYPES)}")
+        return TritonGemm(torch_dtype(dtype), self.device_services().device, self.target())
+
+    def small_ops(self) -> SmallOps:
+        """Triton RMSNorm and rotary; torch silu_and_mul."""
+        return TritonSmallOps(self.target())

@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers. Every module here imports triton: import them lazily."""
