@@ -34,8 +34,8 @@ def cpu_model() -> str:
                 key, _, value = line.partition(":")
                 if key.strip() in ("model name", "Model") and value.strip():
                     return value.strip()
-    except OSError:
-        pass
+    except OSError:  # no /proc (not Linux): platform's answer is all there is
+        return platform.processor() or platform.machine() or "unknown"
     return platform.processor() or platform.machine() or "unknown"
 
 

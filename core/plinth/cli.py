@@ -255,14 +255,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     from plinth.engine import InvalidRequest
+    from plinth.platform.backend import NotSupported
 
     try:
         return int(args.func(args))
-    except (BackendError, InvalidRequest, FileNotFoundError, NotImplementedError) as exc:
-        print(f"plinth: error: {exc}", file=sys.stderr)
-        return 2
-    except ValidationError as exc:
+    except ValidationError as exc:  # before ValueError: pydantic's error is one
         print(f"plinth: invalid option: {exc}", file=sys.stderr)
+        return 2
+    except (BackendError, NotSupported, InvalidRequest, FileNotFoundError, ValueError) as exc:
+        # user errors (bad path, unsupported architecture, refused pickle, ...): a message, no traceback
+        print(f"plinth: error: {exc}", file=sys.stderr)
         return 2
 
 
