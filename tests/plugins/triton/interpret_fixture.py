@@ -22,3 +22,7 @@ def triton_interpret_env(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
         pytest.skip("triton is not installed (pip install --no-deps triton): the interpreter lane needs it")
     monkeypatch.setenv("PLINTH_TRITON_INTERPRET", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # probes depend on the environment: the process-wide host must probe afresh under it
+    import plinth.platform.host as host
+
+    monkeypatch.setattr(host, "_default_host", None)
