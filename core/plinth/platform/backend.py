@@ -134,6 +134,17 @@ class Capabilities:
             reasons.append("logits soft-cap")
         return reasons
 
+    def require_attention(self, backend: str, spec: AttentionSpec) -> None:
+        """Raise :class:`NotSupported` (naming ``backend`` and every reason) unless ``spec`` is declared."""
+        reasons = self.unsupported(spec)
+        if reasons:
+            raise NotSupported(backend, "attention", reasons)
+
+    def require_gemm(self, backend: str, dtype: str) -> None:
+        """Raise :class:`NotSupported` unless GEMM in ``dtype`` is declared."""
+        if dtype not in self.dtypes:
+            raise NotSupported(backend, f"GEMM in {dtype}", f"supported: {sorted(self.dtypes)}")
+
 
 @dataclass(slots=True)
 class AttentionMetadata:

@@ -23,7 +23,6 @@ from plinth.platform.backend import (
     GemmKernels,
     KVCacheLayout,
     LinearWeight,
-    NotSupported,
     Probe,
     torch_dtype,
 )
@@ -164,14 +163,11 @@ class ReferenceBackend(Backend):
         return self._services
 
     def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
-        reasons = self._caps.unsupported(spec)
-        if reasons:
-            raise NotSupported(self.name, "attention", reasons)
+        self._caps.require_attention(self.name, spec)
         return ReferenceAttention(spec, self._caps.kv_cache_layout)
 
     def gemm_kernels(self, dtype: str) -> GemmKernels:
-        if dtype not in self._caps.dtypes:
-            raise NotSupported(self.name, f"GEMM in {dtype}", f"supported: {sorted(self._caps.dtypes)}")
+        self._caps.require_gemm(self.name, dtype)
         return ReferenceGemm(torch_dtype(dtype))
 
 

@@ -14,7 +14,6 @@ from plinth.platform.backend import (
     Capabilities,
     DeviceServices,
     GemmKernels,
-    NotSupported,
     Probe,
     torch_dtype,
 )
@@ -119,13 +118,10 @@ class CpuBackend(Backend):
 
     def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
         """:class:`CpuAttention` for ``spec``; :class:`NotSupported` with reasons otherwise."""
-        reasons = self._caps.unsupported(spec)
-        if reasons:
-            raise NotSupported(self.name, "attention", reasons)
+        self._caps.require_attention(self.name, spec)
         return CpuAttention(spec, self._caps.kv_cache_layout)
 
     def gemm_kernels(self, dtype: str) -> GemmKernels:
         """:class:`CpuGemm` computing in ``dtype``."""
-        if dtype not in self._caps.dtypes:
-            raise NotSupported(self.name, f"GEMM in {dtype}", f"supported: {sorted(self._caps.dtypes)}")
+        self._caps.require_gemm(self.name, dtype)
         return CpuGemm(torch_dtype(dtype))

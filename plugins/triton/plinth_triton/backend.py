@@ -28,7 +28,6 @@ from plinth.platform.backend import (
     DeviceServices,
     GemmKernels,
     KVCacheLayout,
-    NotSupported,
     Probe,
     SmallOps,
     torch_dtype,
@@ -162,15 +161,12 @@ class TritonBackend(Backend):
     def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
         """:class:`TritonAttention` for ``spec``; :class:`NotSupported` with reasons otherwise."""
         caps = self.capabilities()
-        reasons = caps.unsupported(spec)
-        if reasons:
-            raise NotSupported(self.name, "attention", reasons)
+        caps.require_attention(self.name, spec)
         return TritonAttention(spec, caps.kv_cache_layout, self.target())
 
     def gemm_kernels(self, dtype: str) -> GemmKernels:
         """:class:`TritonGemm` computing in ``dtype``."""
-        if dtype not in _DTYPES:
-            raise NotSupported(self.name, f"GEMM in {dtype}", f"supported: {sorted(_DTYPES)}")
+        self.capabilities().require_gemm(self.name, dtype)
         return TritonGemm(torch_dtype(dtype), self.device_services().device, self.target())
 
     def small_ops(self) -> SmallOps:

@@ -84,17 +84,20 @@ def start_server(*args: str, api_key: str | None = None) -> ServerProcess:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log, api_key)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    last_error = "no answer yet"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"plinth serve exited with {proc.returncode}:\n{server.log_text()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
                 return server
-        except httpx.HTTPError:
-            pass
+        except httpx.HTTPError as exc:  # still loading the model: not listening yet
+            last_error = repr(exc)
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"plinth serve did not become healthy in {STARTUP_TIMEOUT_S}s:\n{server.log_text()}")
+    raise RuntimeError(
+        f"plinth serve did not become healthy in {STARTUP_TIMEOUT_S}s (last: {last_error}):\n{server.log_text()}"
+    )
 
 
 def running(*args: str, api_key: str | None = None) -> Iterator[ServerProcess]:
