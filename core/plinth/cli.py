@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from plinth.config import QUANTIZATION_HELP
 from plinth.platform.host import BackendError, default_host
 from plinth.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
+    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
     p.add_argument("--strict", action="store_true", help="refuse reference-kernel fallbacks")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickle (.bin/.pt) checkpoints")
 
@@ -59,6 +61,7 @@ def _llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
+        quantization=args.quantization,
         strict=args.strict,
         allow_pickle=args.allow_pickle,
     )

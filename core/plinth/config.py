@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+#: ``--quantization`` help, shared by every command that builds an engine.
+QUANTIZATION_HELP = (
+    "auto (default): keep a GGUF's q4_1/q8_0 weights where the backend multiplies them natively; "
+    "none: dequantize every weight to --dtype; int8: also quantize floating-point weights to q8_0"
+)
 
 
 class EngineConfig(BaseModel):
@@ -25,3 +33,8 @@ class EngineConfig(BaseModel):
     strict: bool = Field(False, description="refuse reference-kernel fallbacks instead of warning")
     allow_pickle: bool = Field(False, description="allow loading pickle (.bin/.pt) checkpoints")
     num_threads: int | None = Field(None, ge=1, description="host threads for CPU kernels")
+    quantization: Literal["auto", "none", "int8"] = Field(
+        "auto",
+        description="auto: keep a checkpoint's quantized weights where the backend multiplies them natively; "
+        "none: dequantize everything to dtype; int8: also quantize floating-point linear weights to q8_0",
+    )

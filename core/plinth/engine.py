@@ -86,6 +86,12 @@ class LLMEngine:
             _PREFERRED_BLOCK_SIZE if _PREFERRED_BLOCK_SIZE in caps.block_sizes else caps.block_sizes[0]
         )
         self.kernels = resolve_kernels(backend, host.kernel_providers(backend.name), dtype, config.strict)
+        quant_formats = caps.quant_formats if config.quantization != "none" else frozenset()
+        if config.quantization == "int8" and "q8_0" not in quant_formats:
+            raise InvalidRequest(
+                f"quantization 'int8' needs a backend that multiplies q8_0 weights; {backend.name} declares "
+                f"{', '.join(sorted(caps.quant_formats)) or 'no quantized formats'}"
+            )
         source = resolve_model(config.model)
         self.model, self.model_config = load_model(
             source,
@@ -94,6 +100,8 @@ class LLMEngine:
                 ops=self.kernels.ops,
                 attention=self.kernels.attention,
                 device=services.device,
+                quant_formats=quant_formats,
+                quantize="q8_0" if config.quantization == "int8" else None,
             ),
             dtype=torch_dtype(dtype),
             block_size=block_size,

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Any
 
+from plinth.config import QUANTIZATION_HELP
+
 
 def add_bench_latency_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``plinth bench latency``."""
@@ -17,6 +19,7 @@ def add_bench_latency_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
@@ -66,7 +69,13 @@ def run_bench_latency(args: argparse.Namespace) -> int:
     """Entry point of ``plinth bench latency``."""
     from plinth.llm import LLM
 
-    llm = LLM(model=args.model, backend=args.backend, dtype=args.dtype, num_threads=args.threads)
+    llm = LLM(
+        model=args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        quantization=args.quantization,
+    )
     result = measure_latency(llm, args.input_len, args.output_len, args.iters)
     if not args.no_cold_start:
         result["cold_start_s"] = round(measure_cold_start(args.model, args.backend), 2)

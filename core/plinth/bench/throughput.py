@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from plinth.bench.datasets import BenchRequest, sharegpt, synthetic
+from plinth.config import QUANTIZATION_HELP
 
 
 def add_bench_throughput_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,6 +17,7 @@ def add_bench_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic, seed 0)")
     p.add_argument("--seed", type=int, default=0)
@@ -80,6 +82,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         backend=args.backend,
         dtype=args.dtype,
         num_threads=args.threads,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

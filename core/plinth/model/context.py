@@ -27,10 +27,14 @@ class ModelKernels:
 
     ``attention`` maps a layer's :class:`AttentionSpec` to its kernels (e.g.
     ``backend.attention_kernels``); it is called once per distinct spec when the model is built.
-    ``device`` is where weights and rotary tables are placed.
+    ``device`` is where weights and rotary tables are placed. ``quant_formats`` are the block
+    formats the GEMM takes natively (weights in other formats are dequantized at load);
+    ``quantize`` ("q8_0") quantizes floating-point linear weights at load, None keeps them.
     """
 
     gemm: GemmKernels
     ops: SmallOps
     attention: Callable[[AttentionSpec], AttentionKernels]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    quant_formats: frozenset[str] = frozenset()
+    quantize: str | None = None

@@ -1,4 +1,4 @@
-"""GGUF checkpoints: config from metadata, tensors dequantized to fp32 under Hugging Face names.
+"""GGUF checkpoints: config from metadata, tensors under Hugging Face names (fp32 or raw q4_1/q8_0 blocks).
 
 llama.cpp's converter permutes the rows of q_proj/k_proj of llama-architecture models (it turns
 HF's "rotate_half" rotary layout into GPT-J's interleaved one); :func:`unpermute_qk` undoes it so
@@ -15,6 +15,7 @@ import torch
 
 from plinth.model.config import ModelConfig, RopeScaling
 from plinth.model.gguf_reader import GGUFFile
+from plinth.quant import QuantizedWeight
 
 # llama.cpp tensor name (inside blk.N.) -> Hugging Face name (inside model.layers.N.)
 _BLOCK_NAMES = {
@@ -78,16 +79,30 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     return config
 
 
-def gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, fp32 tensor)`` for every model weight in the file, q/k un-permuted."""
+def gguf_weights(
+    gguf: GGUFFile, config: ModelConfig, keep_quantized: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """``(hf_name, weight)`` for every model weight in the file, q/k un-permuted.
+
+    Matrices stored in a format named in ``keep_quantized`` ("q4_1", "q8_0") come as their raw
+    :class:`QuantizedWeight` blocks; everything else is dequantized to fp32.
+    """
     permuted = gguf.metadata.get("general.architecture") in _PERMUTED_ARCHS
     for name in gguf.tensors:
         if name in _CONFIG_TENSORS:
             continue
         target = hf_name(name)
-        tensor = gguf.tensor(name)
+        info = gguf.tensors[name]
+        quantized = gguf.quantized(name) if info.qtype.name.lower() in keep_quantized else None
+        tensor: torch.Tensor | QuantizedWeight = gguf.tensor(name) if quantized is None else quantized
+        heads = None
         if permuted and ".self_attn.q_proj." in target:
-            tensor = unpermute_qk(tensor, config.num_heads)
+            heads = config.num_heads
         elif permuted and ".self_attn.k_proj." in target:
-            tensor = unpermute_qk(tensor, config.num_kv_heads)
+            heads = config.num_kv_heads
+        if heads is not None:
+            if isinstance(tensor, QuantizedWeight):  # rows move whole: permute the row order
+                tensor = tensor.rows(unpermute_qk(torch.arange(tensor.out_features), heads))
+            else:
+                tensor = unpermute_qk(tensor, heads)
         yield target, tensor

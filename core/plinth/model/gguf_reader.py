@@ -21,6 +21,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from plinth.quant import QUANT_BLOCKS, QuantizedWeight, dequantize_blocks
+
 _SCALARS: dict[int, tuple[str, int]] = {
     GGUFValueType.UINT8: ("<B", 1),
     GGUFValueType.INT8: ("<b", 1),
@@ -47,27 +49,19 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0x0F, qs >> 4), dim=1)
 
 
-def _dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    # block: fp16 scale d, 32 x int8 q; value = q * d
-    return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)
-
-
 def _dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     # block: fp16 scale d, 16 bytes of nibbles; value = d * (q - 8)
     return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float()
 
 
-def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    # block: fp16 scale d, fp16 min m, 16 bytes of nibbles; value = d * q + m
-    return _f16(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _f16(blocks, 2)
 
 
 # The commonest small-model formats, in torch: several times faster than gguf's numpy code and
 # bit-identical to it (same fp32 operations in the same order). Other formats go through gguf.
 _TORCH_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
-    GGMLQuantizationType.Q8_0: _dequant_q8_0,
+    GGMLQuantizationType.Q8_0: lambda blocks: dequantize_blocks("q8_0", blocks),
     GGMLQuantizationType.Q4_0: _dequant_q4_0,
-    GGMLQuantizationType.Q4_1: _dequant_q4_1,
+    GGMLQuantizationType.Q4_1: lambda blocks: dequantize_blocks("q4_1", blocks),
 }
 
 
@@ -180,6 +174,16 @@ class GGUFFile:
                     f"{self.path}: tensor {name} is {info.qtype.name}, which gguf cannot dequantize"
                 ) from None
         return torch.from_numpy(out.reshape(info.shape))
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """Tensor ``name`` as its raw blocks, if it is a 2-D tensor in a format of :mod:`plinth.quant`."""
+        info = self.tensors[name]
+        fmt = info.qtype.name.lower()
+        if fmt not in QUANT_BLOCKS or len(info.shape) != 2:
+            return None
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        blocks = torch.from_numpy(raw.reshape(info.shape[0], -1).copy())  # [N, K / 32 * bytes]
+        return QuantizedWeight(fmt, info.shape[0], info.shape[1], blocks)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(gguf_name, fp32 tensor)`` in file order, one dequantized at a time."""

@@ -16,6 +16,7 @@ from torch import nn
 from plinth.model.config import RopeScaling
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.platform.backend import AttentionKernels, LinearWeight
+from plinth.quant import QuantizedWeight, dequantize, quantize_q8_0
 
 
 class Linear(nn.Module):
@@ -27,14 +28,27 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.has_bias = bias
         self.gemm = kernels.gemm
+        self.quant_formats = kernels.quant_formats
+        self.quantize = kernels.quantize
         self.weight: LinearWeight | None = None
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Prepare ``weight`` [N, K] (and ``bias`` [N]) with the backend GEMM."""
+    def load(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        """Prepare ``weight`` [N, K] (and ``bias`` [N]) with the backend GEMM.
+
+        A :class:`QuantizedWeight` stays quantized where the GEMM takes its format and is
+        dequantized otherwise; a dense weight is quantized first when the model asks for it.
+        """
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != expected {(self.out_features, self.in_features)}")
         if (bias is not None) != self.has_bias:
             raise ValueError(f"bias {'missing' if bias is None else 'unexpected'} for this layer")
+        if isinstance(weight, torch.Tensor) and self.quantize == "q8_0" and self.in_features % 32 == 0:
+            weight = quantize_q8_0(weight)
+        if isinstance(weight, QuantizedWeight):
+            if weight.format in self.quant_formats:
+                self.weight = self.gemm.prepare_quantized(weight, bias)
+                return
+            weight = dequantize(weight)
         self.weight = self.gemm.prepare(weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from plinth.model.config import ModelConfig
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from plinth.platform.backend import AttentionKernels, AttentionSpec, dtype_name
+from plinth.quant import QuantizedWeight, dequantize
 
 # Checkpoint entries that are derived state, not weights: skipped without complaint.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
@@ -158,14 +159,17 @@ class LlamaForCausalLM(nn.Module):
                     shapes[f"{p}{name}.bias"] = (n_out,)
         return shapes
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Load Hugging Face-named tensors, fuse q/k/v and gate/up, and prepare every Linear.
+
+        Linear weights may come as :class:`QuantizedWeight` (a GGUF's blocks); everything else
+        (embedding, norms, biases) is dequantized if it comes quantized.
 
         :raises WeightLoadError: naming every missing, unexpected or misshapen weight.
         """
         expected = self.expected_weights()
         tied = self.config.tie_word_embeddings
-        loaded: dict[str, torch.Tensor] = {}
+        loaded: dict[str, torch.Tensor | QuantizedWeight] = {}
         unexpected: list[str] = []
         misshapen: list[str] = []
         seen_misshapen: set[str] = set()
@@ -197,22 +201,36 @@ class LlamaForCausalLM(nn.Module):
             )
         self._assign(loaded)
 
-    def _assign(self, w: dict[str, torch.Tensor]) -> None:
+    def _assign(self, w: dict[str, torch.Tensor | QuantizedWeight]) -> None:
         """Move checked tensors into the layers, consuming ``w`` as it goes to bound peak memory."""
 
+        def dense(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+            t = dequantize(t) if isinstance(t, QuantizedWeight) else t
+            return t.to(device=self.device, dtype=self.dtype)
+
         def take(name: str) -> torch.Tensor:
-            return w.pop(name).to(device=self.device, dtype=self.dtype)
+            return dense(w.pop(name))
+
+        def take_linear(name: str) -> torch.Tensor | QuantizedWeight:
+            t = w.pop(name)
+            return t if isinstance(t, QuantizedWeight) else dense(t)
 
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in w else None
 
-        def fused(names: list[str]) -> torch.Tensor:
-            return torch.cat([take(n) for n in names], dim=0)
+        def fused(names: list[str]) -> torch.Tensor | QuantizedWeight:
+            parts = [w.pop(n) for n in names]
+            if all(isinstance(p, QuantizedWeight) for p in parts):
+                quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+                if len({p.format for p in quantized}) == 1:
+                    return QuantizedWeight.cat(quantized)
+            return torch.cat([dense(p) for p in parts], dim=0)  # mixed formats: fuse dense
 
         def fused_bias(names: list[str]) -> torch.Tensor | None:
-            return fused(names) if names[0] in w else None
+            return torch.cat([take(n) for n in names], dim=0) if names[0] in w else None
 
-        embed = take("model.embed_tokens.weight")
+        raw_embed = w.pop("model.embed_tokens.weight")
+        embed = dense(raw_embed)
         self.embed_tokens = embed
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
@@ -220,16 +238,18 @@ class LlamaForCausalLM(nn.Module):
             a = p + "self_attn."
             qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
             layer.self_attn.qkv_proj.load(fused([n + ".weight" for n in qkv]), fused_bias([n + ".bias" for n in qkv]))
-            layer.self_attn.o_proj.load(take(a + "o_proj.weight"), maybe(a + "o_proj.bias"))
+            layer.self_attn.o_proj.load(take_linear(a + "o_proj.weight"), maybe(a + "o_proj.bias"))
             m = p + "mlp."
             gate_up = [m + "gate_proj", m + "up_proj"]
             layer.mlp.gate_up_proj.load(
                 fused([n + ".weight" for n in gate_up]), fused_bias([n + ".bias" for n in gate_up])
             )
-            layer.mlp.down_proj.load(take(m + "down_proj.weight"), maybe(m + "down_proj.bias"))
+            layer.mlp.down_proj.load(take_linear(m + "down_proj.weight"), maybe(m + "down_proj.bias"))
             layer.input_layernorm.load(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))
         self.norm.load(take("model.norm.weight"))
         # tied: the embedding matrix is the lm_head weight, prepared through the GEMM like any other
-        self.lm_head.load(embed if self.config.tie_word_embeddings else take("lm_head.weight"))
+        # (a quantized embedding keeps its blocks for the lm_head, where the GEMM takes them)
+        tied = raw_embed if isinstance(raw_embed, QuantizedWeight) else embed
+        self.lm_head.load(tied if self.config.tie_word_embeddings else take_linear("lm_head.weight"))
         assert not w, f"weights left unassigned: {sorted(w)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from plinth.model.gguf_loader import gguf_config, gguf_weights
 from plinth.model.gguf_reader import GGUFFile
 from plinth.model.hf import hf_config, hf_weights
 from plinth.model.registry import model_class
+from plinth.quant import QuantizedWeight
 from plinth.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -116,19 +118,21 @@ def load_model(
 ) -> tuple[Any, ModelConfig]:
     """Build the model for ``source`` on ``kernels`` and load its weights.
 
-    :param dtype: activation/weight dtype (GGUF tensors are dequantized to fp32, then cast).
+    :param dtype: activation/weight dtype. GGUF matrices in a format of ``kernels.quant_formats``
+        stay in their blocks; other GGUF tensors are dequantized to fp32, then cast.
     :param kv_cache_dtype: KV-cache dtype name, for each layer's :class:`AttentionSpec`.
     :param allow_pickle: read ``*.bin``/``*.pt`` checkpoints (with ``weights_only=True``).
     :returns: ``(model, config)``; the model is e.g. a :class:`plinth.model.llama.LlamaForCausalLM`.
     """
     start = time.perf_counter()
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
     if source.kind == "hf":
         config = hf_config(source.path)
         weights = hf_weights(source.path, allow_pickle=allow_pickle)
     else:
         gguf = GGUFFile(source.path)
         config = gguf_config(gguf)
-        weights = gguf_weights(gguf, config)
+        weights = gguf_weights(gguf, config, kernels.quant_formats)
     model = model_class(config.architecture)(config, kernels, dtype, block_size, kv_cache_dtype)
     model.load_weights(weights)
     logger.info("loaded %s (%s) in %.1fs", source.name, config.architecture, time.perf_counter() - start)

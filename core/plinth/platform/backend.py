@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from plinth.quant import QuantizedWeight, dequantize
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -227,6 +229,15 @@ class GemmKernels(ABC):
     @abstractmethod
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] @ weight.T (+ bias) -> [M, N]."""
+
+    def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
+        """Prepare a weight kept in a ggml block format (see :mod:`plinth.quant`).
+
+        The core calls this only for formats the backend lists in ``Capabilities.quant_formats``
+        (API 1.1); for any other it dequantizes first and calls :meth:`prepare`. The default
+        dequantizes, so declaring a format without overriding this is correct, merely not compact.
+        """
+        return self.prepare(dequantize(weight), bias)
 
 
 class SmallOps:

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from plinth.config import QUANTIZATION_HELP
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,6 +30,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache size (default: from free memory)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
+    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
     p.add_argument("--strict", action="store_true", help="refuse reference-kernel fallbacks")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickle (.bin/.pt) checkpoints")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -62,6 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
+        quantization=args.quantization,
         strict=args.strict,
         allow_pickle=args.allow_pickle,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, KVCacheLayout
+from plinth_cpu.native import NativeKernels
 
 #: The cache layout these kernels read and write: [2, num_blocks, Hkv, block_size, D].
 CPU_KV_LAYOUT = KVCacheLayout(dims=("kv", "num_blocks", "num_kv_heads", "block_size", "head_size"))
@@ -139,16 +140,31 @@ class CpuAttention(AttentionKernels):
     one instance must not run two ``forward`` calls at the same time.
     """
 
-    def __init__(self, spec: AttentionSpec, layout: KVCacheLayout = CPU_KV_LAYOUT) -> None:
+    def __init__(
+        self, spec: AttentionSpec, layout: KVCacheLayout = CPU_KV_LAYOUT, native: NativeKernels | None = None
+    ) -> None:
         if layout.dims != CPU_KV_LAYOUT.dims:
             raise ValueError(f"CpuAttention needs the KV layout {CPU_KV_LAYOUT.dims}, got {layout.dims}")
         super().__init__(spec, layout)
         self._workspace = _Workspace()
+        # the native kernels take fp32 queries over an fp32 cache, head sizes a multiple of 8
+        fp32 = spec.dtype == "float32" and spec.kv_cache_dtype == "float32"
+        self._native = native if fp32 and spec.head_size % 8 == 0 else None
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Store ``key``/``value`` ([T, Hkv, D]) at ``slot_mapping`` ([T]); slots < 0 are skipped."""
+        if (
+            self._native is not None
+            and key.dtype == value.dtype == kv_cache.dtype == torch.float32
+            and key.stride(2) == value.stride(2) == 1
+            and key.stride(1) == value.stride(1) == key.shape[2]
+            and kv_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64
+        ):
+            self._native.write_kv(key, value, kv_cache, slot_mapping.contiguous())
+            return
         num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
         keep = slot_mapping >= 0  # [T]; False for padding tokens
         slots = slot_mapping[keep].long()  # [T']
@@ -265,6 +281,9 @@ class CpuAttention(AttentionKernels):
         acc = _accumulate_dtype(query.dtype)
         dev = query.device
         G = len(ids)
+        if self._native is not None and query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous():
+            self._decode_native(self._native, query, kv_cache, meta, scale, ids, starts, out)
+            return
         seq = torch.tensor([meta.seq_lens_host[i] for i in ids], device=dev)  # [G]
         tiles = self._tiles(kv_cache, meta, ids)  # [G, Hkv, nb]
         S = tiles.shape[2] * block_size
@@ -300,6 +319,42 @@ class CpuAttention(AttentionKernels):
             out[starts[0] : starts[0] + G] = o
         else:
             out.index_copy_(0, tok, o)
+
+    def _decode_native(
+        self,
+        native: NativeKernels,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        ids: list[int],
+        starts: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`_decode` by the native kernel, which reads K/V in place from the cache pages."""
+        G = len(ids)
+        if ids == list(range(len(meta.seq_lens_host))):  # the whole batch: no row selection
+            tables, seq = meta.block_tables, meta.seq_lens
+        else:
+            index = torch.tensor(ids)
+            tables, seq = meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index)
+        packed = starts == list(range(starts[0], starts[0] + G))
+        q = query[starts[0] : starts[0] + G] if packed else query.index_select(0, torch.tensor(starts))
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
+        o = native.decode_attention(
+            q,
+            kv_cache,
+            tables.to(torch.int32).contiguous(),
+            seq.to(torch.int32).contiguous(),
+            scale,
+            self.spec.sliding_window,
+            self.spec.logits_soft_cap,
+        )
+        if packed:
+            out[starts[0] : starts[0] + G] = o
+        else:
+            out.index_copy_(0, torch.tensor(starts), o)
 
     def _prefill(
         self,

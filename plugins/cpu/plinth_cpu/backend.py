@@ -15,10 +15,13 @@ from plinth.platform.backend import (
     DeviceServices,
     GemmKernels,
     Probe,
+    SmallOps,
     torch_dtype,
 )
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
 from plinth_cpu.gemm import CpuGemm
+from plinth_cpu.native import QUANT_FORMATS, native, native_status
+from plinth_cpu.ops import CpuOps
 
 try:
     __version__ = metadata.version("plinth-cpu")
@@ -78,6 +81,7 @@ class CpuBackend(Backend):
     def __init__(self) -> None:
         dtypes = frozenset({"float32", "float64", "bfloat16", "float16"})
         self._services = DeviceServices(torch.device("cpu"))
+        self._native = native()  # None without AVX2/FMA/F16C or a C compiler: torch kernels only
         self._caps = Capabilities(
             dtypes=dtypes,
             kv_cache_dtypes=dtypes,
@@ -88,6 +92,7 @@ class CpuBackend(Backend):
             max_gqa_ratio=None,
             features=frozenset({"sliding_window", "logits_soft_cap"}),
             kv_cache_layout=CPU_KV_LAYOUT,
+            quant_formats=frozenset(QUANT_FORMATS) if self._native is not None else frozenset(),
         )
 
     def probe(self) -> Probe:
@@ -100,6 +105,7 @@ class CpuBackend(Backend):
             f"CPU: {model}",
             f"ISA features: {', '.join(features) if features else 'none of avx2/avx512f/amx/neon found'}",
             f"torch kernels use {capability}, {torch.get_num_threads()} threads",
+            native_status(),
         ]
         if features or capability != "DEFAULT":
             score = SIMD_SCORE
@@ -119,9 +125,15 @@ class CpuBackend(Backend):
     def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
         """:class:`CpuAttention` for ``spec``; :class:`NotSupported` with reasons otherwise."""
         self._caps.require_attention(self.name, spec)
-        return CpuAttention(spec, self._caps.kv_cache_layout)
+        return CpuAttention(spec, self._caps.kv_cache_layout, self._native)
 
     def gemm_kernels(self, dtype: str) -> GemmKernels:
         """:class:`CpuGemm` computing in ``dtype``."""
         self._caps.require_gemm(self.name, dtype)
-        return CpuGemm(torch_dtype(dtype))
+        if self._native is not None:  # the engine has set torch's thread count by now
+            self._native.set_num_threads(torch.get_num_threads())
+        return CpuGemm(torch_dtype(dtype), self._native)
+
+    def small_ops(self) -> SmallOps:
+        """RMSNorm, SiLU-and-mul and rotary: native kernels for fp32, torch for other dtypes."""
+        return CpuOps(self._native)

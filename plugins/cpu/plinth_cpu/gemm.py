@@ -1,8 +1,16 @@
-"""Dense GEMM for the CPU backend.
+"""GEMM for the CPU backend: dense fp32/bf16/fp16 weights and ggml q4_1/q8_0 blocks.
 
-The weight stays ``[N, K]`` row-major and goes through ``F.linear``: oneDNN/MKL then read the right
-operand transposed, which is the layout they are fast for. A row-major ``[K, N]`` right operand in
-bf16 is ~100x slower on AVX2 hosts, so the weight is never pre-transposed.
+Dense weights stay ``[N, K]`` row-major. Few activation rows (decode) go through the native
+kernel, which streams the weight once at close to read bandwidth (torch's M=1 GEMM reaches about a
+third of it here); more rows go through ``F.linear``, whose oneDNN/MKL GEMM wins once the
+product is compute-bound. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2
+hosts, so the weight is never pre-transposed.
+
+Quantized weights keep their GGUF blocks (never dequantized at load). Activations are rounded to
+int8 per 32-block (like llama.cpp) on both paths, so a sequence's logits do not depend on how many
+others share its step. Few rows: the native kernel takes integer dot products. Many rows: blocks
+of weight rows are dequantized into a small scratch tile that stays in cache and multiplied by
+``F.linear`` with the rounded activations; the dequantization is then a small share of the work.
 """
 
 from __future__ import annotations
@@ -11,13 +19,24 @@ import torch
 import torch.nn.functional as F
 
 from plinth.platform.backend import GemmKernels, LinearWeight
+from plinth.quant import QuantizedWeight
+from plinth_cpu.native import QUANT_FORMATS, NativeKernels
+
+#: Dense fp32 products with at most this many rows use the native kernel (measured crossover).
+NATIVE_DENSE_MAX_ROWS = 8
+#: Quantized products with at most this many rows use the native int8 kernel.
+NATIVE_QUANT_MAX_ROWS = 16
+#: Weight rows dequantized per tile for the F.linear path (tile bytes ~ rows * K * 4).
+DEQUANT_TILE_BYTES = 4 << 20
 
 
 class CpuGemm(GemmKernels):
-    """``x @ w.T + b`` with ``torch.nn.functional.linear`` in one compute dtype."""
+    """``x @ w.T + b`` in one compute dtype; ``native`` kernels where available (else torch only)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, native: NativeKernels | None = None) -> None:
         self.dtype = dtype
+        self.native = native
+        self._tile: torch.Tensor | None = None
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
         """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous, on the CPU."""
@@ -25,8 +44,54 @@ class CpuGemm(GemmKernels):
         b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).contiguous()  # [N]
         return LinearWeight(out_features=w.shape[0], in_features=w.shape[1], weight=w, bias=b)
 
+    def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
+        """Keep q4_1/q8_0 blocks as they are (the bias in fp32); other formats are dequantized."""
+        if self.native is None or weight.format not in QUANT_FORMATS:
+            return super().prepare_quantized(weight, bias)
+        b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
+        return LinearWeight(
+            out_features=weight.out_features,
+            in_features=weight.in_features,
+            weight=None,
+            bias=b,
+            format=weight.format,
+            data={"blocks": weight.blocks.contiguous()},
+        )
+
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] -> [M, N]."""
+        if weight.format != "dense":
+            return self._linear_quantized(x, weight)
         if weight.weight is None:
             raise ValueError(f"CpuGemm got a {weight.format!r} weight without a dense tensor")
+        if (
+            self.native is not None
+            and x.dtype == torch.float32
+            and weight.weight.dtype == torch.float32
+            and x.shape[0] <= NATIVE_DENSE_MAX_ROWS
+            and weight.in_features % 8 == 0
+        ):
+            return self.native.gemm_f32(x.contiguous(), weight.weight, weight.bias)
         return F.linear(x, weight.weight, weight.bias)
+
+    def _linear_quantized(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        native = self.native
+        if native is None:
+            raise ValueError(f"CpuGemm got a {weight.format!r} weight but has no native kernels")
+        xf = x.to(torch.float32).contiguous()
+        blocks = weight.data["blocks"]
+        n, k = weight.out_features, weight.in_features
+        if x.shape[0] <= NATIVE_QUANT_MAX_ROWS:
+            y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n)
+        else:
+            xf = native.round_trip_q8(xf)  # the same activation rounding as the few-row path
+            y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            rows = max(8, DEQUANT_TILE_BYTES // (4 * k))
+            if self._tile is None or self._tile.numel() < rows * k:
+                self._tile = torch.empty(rows * k, dtype=torch.float32)
+            for n0 in range(0, n, rows):
+                n1 = min(n, n0 + rows)
+                tile = native.dequant(weight.format, blocks[n0:n1], n1 - n0, k, self._tile[: (n1 - n0) * k].view(-1, k))
+                bias = None if weight.bias is None else weight.bias[n0:n1]
+                y[:, n0:n1] = F.linear(xf, tile, bias)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -188,10 +188,10 @@ def test_linear_without_dense_weight_is_a_clear_error() -> None:
 
 
 def test_device_services_and_small_ops() -> None:
-    """Host CPU services; the small ops are the plain-torch defaults."""
+    """Host CPU services; the small ops are CpuOps (native kernels for fp32 where built)."""
     be = CpuBackend()
     services = be.device_services()
     assert services.device == torch.device("cpu")
     free, total = services.memory_info()
     assert 0 < free <= total
-    assert type(be.small_ops()) is SmallOps
+    assert isinstance(be.small_ops(), SmallOps) and type(be.small_ops()).__name__ == "CpuOps"

@@ -1,0 +1,626 @@
+/*
+ * plinth CPU backend: native kernels for x86-64 with AVX2, FMA and F16C.
+ *
+ * Plain C with a C ABI, called through ctypes with raw pointers: no Python or torch headers, so it
+ * builds in about a second with the system compiler and is cached on disk (see native.py).
+ *
+ * Threads: a small pool of its own (see "Thread pool"), not OpenMP. An OpenMP loop ends in a
+ * barrier that waits for every thread, so on a shared machine one descheduled thread stalls each
+ * of the hundreds of parallel regions of a decode step for a scheduler time slice (measured here
+ * under co-tenant load: 2 OpenMP threads decoded at 3-4 tok/s, 1 thread at 20-34). In this pool
+ * the calling thread claims work items too and waits only for items another thread has actually
+ * started: a worker that wakes late finds nothing left and the call has already returned.
+ *
+ * Conventions: every matrix is row-major and contiguous; a weight is [N, K] (out, in) like
+ * F.linear; "x @ W^T" is computed for M activation rows. Quantized weights keep ggml's block
+ * layouts bit for bit (a GGUF tensor's bytes, row after row):
+ *   Q8_0: { fp16 d; int8 q[32]; }              value = d * q              (34 bytes / 32)
+ *   Q4_1: { fp16 d; fp16 m; uint8 qs[16]; }    value = d * q + m, q in 0..15; element j < 16 is
+ *                                              the low nibble of qs[j], element j + 16 its high one
+ * Quantized GEMMs quantize the activations to int8 per 32-block (scale d = amax / 127, like
+ * llama.cpp's Q8_1, also keeping d * sum(q)) and accumulate integer dot products per block.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+
+typedef struct {
+    uint16_t d;
+    int8_t q[QK];
+} block_q8_0;
+
+typedef struct {
+    uint16_t d;
+    uint16_t m;
+    uint8_t qs[QK / 2];
+} block_q4_1;
+
+/* An activation block: int8 values, their scale, and scale * sum of the values. */
+typedef struct {
+    float d;
+    float s;
+    int8_t q[QK];
+} block_q8_x;
+
+_Static_assert(sizeof(block_q8_0) == 34, "Q8_0 block is 34 bytes");
+_Static_assert(sizeof(block_q4_1) == 20, "Q4_1 block is 20 bytes");
+
+static inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+int plinth_abi_version(void) { return 2; }
+
+/* ---------------------------------------------------------------------------------------------
+ * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
+ * `grain`. Items are claimed by compare-and-swap on one 64-bit word holding (generation, next
+ * item); a worker holding a stale generation can never claim an item of a newer call. The caller
+ * returns once every item is done; it never waits for a worker that claimed nothing.
+ */
+typedef void (*range_fn)(void *ctx, int64_t begin, int64_t end);
+
+#define MAX_THREADS 256
+#define SPIN_ITERS 4000 /* ~50-100 us of pause before a worker sleeps */
+
+static struct {
+    int nthreads; /* workers + the caller */
+    int started;
+    _Atomic uint64_t next; /* generation << 32 | next item */
+    _Atomic int64_t done;
+    _Atomic uint32_t gen;
+    _Atomic int sleeping;
+    uint32_t cur_gen;
+    range_fn fn;
+    void *ctx;
+    int64_t n, grain, items;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} pool = {.nthreads = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void run_items(uint32_t g) {
+    for (;;) {
+        uint64_t v = atomic_load_explicit(&pool.next, memory_order_acquire);
+        if ((uint32_t)(v >> 32) != g || (int64_t)(v & 0xFFFFFFFFu) >= pool.items) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.next, &v, v + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue;
+        int64_t i = (int64_t)(v & 0xFFFFFFFFu); /* claimed: the call cannot finish, so fn/ctx are stable */
+        int64_t begin = i * pool.grain, end = begin + pool.grain < pool.n ? begin + pool.grain : pool.n;
+        pool.fn(pool.ctx, begin, end);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+    }
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    uint32_t seen = atomic_load(&pool.gen);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load(&pool.gen) == seen) {
+            if (++spins < SPIN_ITERS) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool.mu);
+            atomic_fetch_add(&pool.sleeping, 1);
+            while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+            atomic_fetch_sub(&pool.sleeping, 1);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load(&pool.gen);
+        run_items(seen);
+    }
+    return NULL;
+}
+
+/* Use n threads in all (the caller included); workers are started on first use, never stopped. */
+void plinth_set_num_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    pool.nthreads = n;
+}
+
+int plinth_get_num_threads(void) { return pool.nthreads; }
+
+static void parallel_for(range_fn fn, void *ctx, int64_t n, int64_t grain) {
+    if (grain < 1) grain = 1;
+    int64_t items = (n + grain - 1) / grain;
+    if (items <= 1 || pool.nthreads <= 1) {
+        if (n > 0) fn(ctx, 0, n);
+        return;
+    }
+    while (pool.started < pool.nthreads - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker_main, NULL) != 0) break;
+        pthread_detach(t);
+        pool.started++;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.n = n;
+    pool.grain = grain;
+    pool.items = items;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    uint32_t g = ++pool.cur_gen;
+    atomic_store(&pool.next, (uint64_t)g << 32);
+    atomic_store(&pool.gen, g);
+    if (atomic_load(&pool.sleeping) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    run_items(g);
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < items; spins++) {
+        if (spins < SPIN_ITERS) _mm_pause();
+        else sched_yield(); /* a worker was descheduled mid-item: let it run */
+    }
+}
+
+/* Split n items for the pool: about 4 grains per thread, at least min_grain items each. */
+static int64_t grain_for(int64_t n, int64_t min_grain) {
+    int64_t g = n / (4 * (int64_t)pool.nthreads);
+    return g < min_grain ? min_grain : g;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Read bandwidth probe: sums n floats (n a multiple of 4096) with the loads a weight-streaming
+ * GEMV does; partial sums per 4096-float chunk go to out[n / 4096].
+ */
+typedef struct {
+    const float *x;
+    float *out;
+} probe_ctx;
+
+static void probe_range(void *p, int64_t begin, int64_t end) {
+    probe_ctx *c = (probe_ctx *)p;
+    for (int64_t ch = begin; ch < end; ch++) {
+        const float *x = c->x + ch * 4096;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < 4096; i += 32) {
+            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + i));
+            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + i + 8));
+            a2 = _mm256_add_ps(a2, _mm256_loadu_ps(x + i + 16));
+            a3 = _mm256_add_ps(a3, _mm256_loadu_ps(x + i + 24));
+        }
+        c->out[ch] = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    }
+}
+
+void plinth_read_probe(const float *x, float *out, int64_t n) {
+    probe_ctx c = {x, out};
+    parallel_for(probe_range, &c, n / 4096, grain_for(n / 4096, 16));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * fp32 GEMM for few rows (decode): y[M, N] = x[M, K] @ w[N, K]^T + b.
+ * Four weight rows at a time are dotted with every activation row while they sit in L1, so the
+ * weight streams from memory once per call. K must be a multiple of 8.
+ */
+static inline void dot4(const float *x, const float *w, int64_t K, float *out) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
+    }
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+
+static inline float dot1(const float *x, const float *w, int64_t K) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+    return hsum256(a);
+}
+
+typedef struct {
+    const float *x, *w, *bias;
+    float *y;
+    int64_t M, N, K;
+} gemm_ctx;
+
+/* items are groups of 4 weight rows */
+static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
+    gemm_ctx *c = (gemm_ctx *)p;
+    int64_t N = c->N, K = c->K;
+    for (int64_t nb = begin; nb < end; nb++) {
+        int64_t n = nb * 4;
+        for (int64_t m = 0; m < c->M; m++) {
+            const float *xr = c->x + m * K;
+            float *yr = c->y + m * N;
+            if (n + 4 <= N) {
+                float r[4];
+                dot4(xr, c->w + n * K, K, r);
+                for (int j = 0; j < 4; j++) yr[n + j] = r[j] + (c->bias ? c->bias[n + j] : 0.0f);
+            } else {
+                for (int64_t j = n; j < N; j++) yr[j] = dot1(xr, c->w + j * K, K) + (c->bias ? c->bias[j] : 0.0f);
+            }
+        }
+    }
+}
+
+void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    gemm_ctx c = {x, w, bias, y, M, N, K};
+    int64_t groups = (N + 3) / 4;
+    parallel_for(gemm_f32_range, &c, groups, grain_for(groups, 8));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Quantized GEMM. Activations are quantized to int8 per 32-block first (K a multiple of 32).
+ */
+static void quantize_block_q8x(const float *v, block_q8_x *out) {
+    __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
+    for (int j = 8; j < QK; j += 8) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float d = _mm_cvtss_f32(m4) / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        int q = (int)lrintf(v[j] * id);
+        out->q[j] = (int8_t)q;
+        sum += q;
+    }
+    out->d = d;
+    out->s = d * (float)sum;
+}
+
+/* Integer dot products of one weight block with one activation block, as 8 int32 lanes in fp32. */
+static inline __m256 dot_q4_1_block(const block_q4_1 *w, const block_q8_x *x) {
+    __m128i packed = _mm_loadu_si128((const __m128i *)w->qs);
+    __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    __m256i p16 = _mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)x->q));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+static inline __m256 dot_q8_0_block(const block_q8_0 *w, const block_q8_x *x) {
+    __m256i qw = _mm256_loadu_si256((const __m256i *)w->q);
+    __m256i qx = _mm256_loadu_si256((const __m256i *)x->q);
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+static float row_dot_q4_1(const block_q4_1 *w, const block_q8_x *x, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float summs = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * x[b].d), dot_q4_1_block(w + b, x + b), acc);
+        summs += fp16_to_f32(w[b].m) * x[b].s;
+    }
+    return hsum256(acc) + summs;
+}
+
+static float row_dot_q8_0(const block_q8_0 *w, const block_q8_x *x, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * x[b].d), dot_q8_0_block(w + b, x + b), acc);
+    return hsum256(acc);
+}
+
+typedef struct {
+    int fmt; /* 0: q4_1, 1: q8_0 */
+    const float *x;
+    block_q8_x *xq;
+    const char *w;
+    const float *bias;
+    float *y;
+    int64_t M, N, K, nb;
+    size_t row_bytes;
+} qgemm_ctx;
+
+static void quantize_range(void *p, int64_t begin, int64_t end) {
+    qgemm_ctx *c = (qgemm_ctx *)p;
+    for (int64_t i = begin; i < end; i++) quantize_block_q8x(c->x + i * QK, c->xq + i);
+}
+
+/* items are weight rows */
+static void qgemm_range(void *p, int64_t begin, int64_t end) {
+    qgemm_ctx *c = (qgemm_ctx *)p;
+    for (int64_t m = 0; m < c->M; m++) {
+        const block_q8_x *xr = c->xq + m * c->nb;
+        for (int64_t n = begin; n < end; n++) {
+            const void *wr = c->w + (size_t)n * c->row_bytes;
+            float v = c->fmt == 0 ? row_dot_q4_1((const block_q4_1 *)wr, xr, c->nb)
+                                  : row_dot_q8_0((const block_q8_0 *)wr, xr, c->nb);
+            c->y[m * c->N + n] = v + (c->bias ? c->bias[n] : 0.0f);
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b; returns 0, or -1 when out of memory. */
+static int gemm_quant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N,
+                      int64_t K) {
+    int64_t nb = K / QK;
+    block_q8_x *xq = (block_q8_x *)malloc(sizeof(block_q8_x) * (size_t)(M * nb));
+    if (!xq) return -1;
+    size_t row_bytes = (size_t)nb * (fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0));
+    qgemm_ctx c = {fmt, x, xq, (const char *)w, bias, y, M, N, K, nb, row_bytes};
+    parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
+    parallel_for(qgemm_range, &c, N, grain_for(N, 16));
+    free(xq);
+    return 0;
+}
+
+typedef struct {
+    const float *x;
+    float *out;
+} rt_ctx;
+
+static void round_trip_range(void *p, int64_t begin, int64_t end) {
+    rt_ctx *c = (rt_ctx *)p;
+    block_q8_x b;
+    for (int64_t i = begin; i < end; i++) {
+        quantize_block_q8x(c->x + i * QK, &b);
+        for (int j = 0; j < QK; j++) c->out[i * QK + j] = (float)b.q[j] * b.d;
+    }
+}
+
+/* out = the values the quantized GEMMs multiply for activations x [M, K]: int8 per 32-block times
+ * its scale. Many-row products run on these in fp32 and so agree with the few-row integer path up
+ * to fp32 rounding: a sequence's result does not depend on how many others share its step. */
+void plinth_round_trip_q8(const float *x, float *out, int64_t M, int64_t K) {
+    rt_ctx c = {x, out};
+    parallel_for(round_trip_range, &c, M * (K / QK), grain_for(M * (K / QK), 256));
+}
+
+int plinth_gemm_q4_1(const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    return gemm_quant(0, x, w, bias, y, M, N, K);
+}
+
+int plinth_gemm_q8_0(const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    return gemm_quant(1, x, w, bias, y, M, N, K);
+}
+
+typedef struct {
+    int fmt;
+    const char *w;
+    float *out;
+    int64_t K, nb;
+    size_t bsz;
+} dequant_ctx;
+
+static void dequant_range(void *p, int64_t begin, int64_t end) {
+    dequant_ctx *c = (dequant_ctx *)p;
+    for (int64_t n = begin; n < end; n++) {
+        const char *row = c->w + (size_t)n * c->nb * c->bsz;
+        float *o = c->out + n * c->K;
+        for (int64_t b = 0; b < c->nb; b++) {
+            float *ob = o + b * QK;
+            if (c->fmt == 0) {
+                const block_q4_1 *blk = (const block_q4_1 *)(row + b * c->bsz);
+                float d = fp16_to_f32(blk->d), m = fp16_to_f32(blk->m);
+                for (int j = 0; j < QK / 2; j++) {
+                    ob[j] = d * (float)(blk->qs[j] & 0x0F) + m;
+                    ob[j + QK / 2] = d * (float)(blk->qs[j] >> 4) + m;
+                }
+            } else {
+                const block_q8_0 *blk = (const block_q8_0 *)(row + b * c->bsz);
+                float d = fp16_to_f32(blk->d);
+                for (int j = 0; j < QK; j++) ob[j] = d * (float)blk->q[j];
+            }
+        }
+    }
+}
+
+/* Dequantize an [N, K] weight into out [N, K] fp32. */
+void plinth_dequant(int fmt, const void *w, float *out, int64_t N, int64_t K) {
+    dequant_ctx c = {fmt, (const char *)w, out, K, K / QK, fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)};
+    parallel_for(dequant_range, &c, N, grain_for(N, 16));
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Small ops over [T, H] rows.
+ */
+typedef struct {
+    const float *x;
+    float *residual;
+    const float *w;
+    float *out;
+    int64_t H;
+    float eps;
+} norm_ctx;
+
+static void rms_norm_range(void *p, int64_t begin, int64_t end) {
+    norm_ctx *c = (norm_ctx *)p;
+    int64_t H = c->H;
+    for (int64_t t = begin; t < end; t++) {
+        const float *src = c->x + t * H;
+        if (c->residual) {
+            float *r = c->residual + t * H;
+            for (int64_t h = 0; h < H; h += 8)
+                _mm256_storeu_ps(r + h, _mm256_add_ps(_mm256_loadu_ps(r + h), _mm256_loadu_ps(src + h)));
+            src = r;
+        }
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t h = 0; h < H; h += 8) {
+            __m256 v = _mm256_loadu_ps(src + h);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum256(ss) / (float)H + c->eps));
+        float *o = c->out + t * H;
+        for (int64_t h = 0; h < H; h += 8)
+            _mm256_storeu_ps(o + h,
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + h), scale), _mm256_loadu_ps(c->w + h)));
+    }
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w (H a multiple of 8); with residual: residual += x first and
+ * the sum is normed. */
+void plinth_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H, float eps) {
+    norm_ctx c = {x, residual, w, out, H, eps};
+    parallel_for(rms_norm_range, &c, T, grain_for(T, 16));
+}
+
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t I;
+} silu_ctx;
+
+static void silu_range(void *p, int64_t begin, int64_t end) {
+    silu_ctx *c = (silu_ctx *)p;
+    for (int64_t t = begin; t < end; t++) {
+        const float *g = c->x + t * 2 * c->I, *u = g + c->I;
+        float *o = c->out + t * c->I;
+        for (int64_t i = 0; i < c->I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* out[T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I]. */
+void plinth_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
+    silu_ctx c = {x, out, I};
+    parallel_for(silu_range, &c, T, grain_for(T, 8));
+}
+
+typedef struct {
+    const float *x;
+    int64_t sx;
+    float *out;
+    const int64_t *positions;
+    const float *cos_sin;
+    int64_t H, D, rotary_dim;
+} rotary_ctx;
+
+static void rotary_range(void *p, int64_t begin, int64_t end) {
+    rotary_ctx *c = (rotary_ctx *)p;
+    int64_t H = c->H, D = c->D, rd = c->rotary_dim, half = rd / 2;
+    for (int64_t t = begin; t < end; t++) {
+        const float *cs = c->cos_sin + c->positions[t] * rd;
+        for (int64_t h = 0; h < H; h++) {
+            const float *r = c->x + t * c->sx + h * D;
+            float *o = c->out + (t * H + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = r[i], x2 = r[i + half], cv = cs[i], sv = cs[half + i];
+                o[i] = x1 * cv - x2 * sv;
+                o[i + half] = x2 * cv + x1 * sv;
+            }
+            for (int64_t i = rd; i < D; i++) o[i] = r[i];
+        }
+    }
+}
+
+/*
+ * Rotary (NeoX rotate-half) of x [T, H, D] (row stride sx floats between tokens, heads dense) into
+ * out [T, H, D] contiguous: the first rotary_dim features of every head are rotated, the rest copied.
+ * cos_sin is [P, rotary_dim]: cos in the first half, sin in the second.
+ */
+void plinth_rotary(const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T,
+                   int64_t H, int64_t D, int64_t rotary_dim) {
+    rotary_ctx c = {x, sx, out, positions, cos_sin, H, D, rotary_dim};
+    parallel_for(rotary_range, &c, T, grain_for(T, 32));
+}
+
+/*
+ * Store k and v ([T, Hk, D], row strides sk and sv floats between tokens, heads dense) into the
+ * head-major fp32 cache [2, num_blocks, Hk, bs, D] at slot_mapping [T]; slots < 0 are skipped.
+ */
+void plinth_write_kv(const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping,
+                     int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slot_mapping[t] < 0) continue;
+        int64_t blk = slot_mapping[t] / bs, off = slot_mapping[t] % bs;
+        for (int64_t h = 0; h < Hk; h++) {
+            float *kd = cache + ((blk * Hk + h) * bs + off) * D;
+            memcpy(kd, k + t * sk + h * D, (size_t)D * sizeof(float));
+            memcpy(kd + num_blocks * Hk * bs * D, v + t * sv + h * D, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Decode attention straight over the paged, head-major fp32 cache [2, num_blocks, Hk, bs, D].
+ * q [B, H, D] (row stride sq floats between sequences, heads dense), out [B, H, D] contiguous. One
+ * item per (sequence, kv head): its group of query heads scores every visible key once, then sums V.
+ * window > 0 keeps only the last `window` positions; soft_cap > 0 applies cap * tanh(s / cap).
+ */
+typedef struct {
+    const float *q;
+    int64_t sq;
+    const float *cache;
+    const int32_t *block_tables;
+    int64_t max_blocks;
+    const int32_t *seq_lens;
+    float *out;
+    int64_t H, Hk, D, bs, num_blocks;
+    float scale;
+    int64_t window;
+    float soft_cap;
+    _Atomic int failed;
+} attn_ctx;
+
+static void decode_attention_range(void *p, int64_t begin, int64_t end) {
+    attn_ctx *c = (attn_ctx *)p;
+    int64_t H = c->H, Hk = c->Hk, D = c->D, bs = c->bs, group = H / Hk;
+    const float *vcache = c->cache + c->num_blocks * Hk * bs * D;
+    for (int64_t task = begin; task < end; task++) {
+        int64_t b = task / Hk, kh = task % Hk;
+        int64_t len = c->seq_lens[b];
+        int64_t first = (c->window > 0 && len > c->window) ? len - c->window : 0;
+        int64_t n = len - first;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)((n + 1) * group));
+        if (!scores) {
+            atomic_store(&c->failed, 1);
+            return;
+        }
+        float *maxs = scores + n * group;
+        const float *qb = c->q + b * c->sq + kh * group * D;
+        const int32_t *table = c->block_tables + b * c->max_blocks;
+        for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;
+        for (int64_t pos = first; pos < len; pos++) {
+            const float *kr = c->cache + (((int64_t)table[pos / bs] * Hk + kh) * bs + pos % bs) * D;
+            for (int64_t g = 0; g < group; g++) {
+                float s = dot1(qb + g * D, kr, D) * c->scale;
+                if (c->soft_cap > 0.0f) s = c->soft_cap * tanhf(s / c->soft_cap);
+                scores[g * n + (pos - first)] = s;
+                if (s > maxs[g]) maxs[g] = s;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = scores + g * n, total = 0.0f;
+            for (int64_t i = 0; i < n; i++) {
+                sg[i] = expf(sg[i] - maxs[g]);
+                total += sg[i];
+            }
+            float inv = 1.0f / total;
+            for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+        }
+        float *ob = c->out + (b * H + kh * group) * D; /* the group's heads are adjacent rows */
+        memset(ob, 0, sizeof(float) * (size_t)(group * D));
+        for (int64_t pos = first; pos < len; pos++) {
+            const float *vr = vcache + (((int64_t)table[pos / bs] * Hk + kh) * bs + pos % bs) * D;
+            for (int64_t g = 0; g < group; g++) {
+                __m256 w = _mm256_set1_ps(scores[g * n + (pos - first)]);
+                float *o = ob + g * D;
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(o + d)));
+            }
+        }
+        free(scores);
+    }
+}
+
+/* Returns 0, or -1 when out of memory. Every seq_len must be >= 1. */
+int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables,
+                            int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk,
+                            int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap) {
+    attn_ctx c = {q, sq, cache, block_tables, max_blocks, seq_lens, out, H, Hk, D, bs, num_blocks, scale, window,
+                  soft_cap, 0};
+    parallel_for(decode_attention_range, &c, B * Hk, 1);
+    return atomic_load(&c.failed) ? -1 : 0;
+}

@@ -1,0 +1,261 @@
+"""The CPU backend's native kernels: ``csrc/kernels.c`` built once with the system C compiler.
+
+The library has a plain C ABI and is called through :mod:`ctypes` with raw data pointers, so it
+needs neither Python nor torch headers and builds in about a second. The build is cached on disk
+under ``$PLINTH_CACHE_DIR`` (default ``~/.cache/plinth``), keyed by a hash of the source, the
+flags and the compiler, so only the first start on a machine pays for it; ``make install`` builds
+it ahead (``python -m plinth_cpu.native``).
+
+The kernels need x86-64 with AVX2, FMA and F16C. Elsewhere, or without a compiler, or with
+``PLINTH_CPU_NATIVE=0``, :func:`native` returns ``None`` and the backend runs its torch kernels;
+:func:`native_status` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from ctypes import c_float, c_int, c_int64, c_void_p
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
+REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+ABI_VERSION = 2
+
+#: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
+QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
+
+_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "plinth_abi_version": (c_int, []),
+    "plinth_set_num_threads": (None, [c_int]),
+    "plinth_get_num_threads": (c_int, []),
+    "plinth_read_probe": (None, [c_void_p, c_void_p, c_int64]),
+    "plinth_gemm_f32": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
+    "plinth_gemm_q4_1": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
+    "plinth_gemm_q8_0": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
+    "plinth_dequant": (None, [c_int, c_void_p, c_void_p, c_int64, c_int64]),
+    "plinth_round_trip_q8": (None, [c_void_p, c_void_p, c_int64, c_int64]),
+    "plinth_rms_norm": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_float]),
+    "plinth_silu_and_mul": (None, [c_void_p, c_void_p, c_int64, c_int64]),
+    "plinth_rotary": (None, [c_void_p, c_int64, c_void_p, c_void_p, c_void_p] + [c_int64] * 4),
+    "plinth_write_kv": (None, [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p] + [c_int64] * 5),
+    "plinth_decode_attention": (
+        c_int,
+        [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_void_p]
+        + [c_int64] * 6
+        + [c_float, c_int64, c_float],
+    ),
+}
+
+
+class NativeBuildError(RuntimeError):
+    """The kernel library could not be compiled or loaded."""
+
+
+def cache_dir() -> Path:
+    """Where compiled artefacts live: ``$PLINTH_CACHE_DIR`` or ``$XDG_CACHE_HOME/plinth``."""
+    if root := os.environ.get("PLINTH_CACHE_DIR"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plinth"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def library_path(compiler: str) -> Path:
+    """The cached library's path for this source, these flags and ``compiler``."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    return cache_dir() / "cpu-kernels" / key / "libplinth_cpu.so"
+
+
+def build(compiler: str) -> Path:
+    """Compile the library into the cache (atomically) unless it is there; return its path."""
+    target = library_path(compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise NativeBuildError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()}")
+    os.replace(tmp, target)
+    return target
+
+
+class NativeKernels:
+    """The loaded library, with tensor-level wrappers (fp32, contiguous, on the CPU)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        if lib.plinth_abi_version() != ABI_VERSION:
+            raise NativeBuildError(f"{path}: ABI {lib.plinth_abi_version()}, expected {ABI_VERSION}")
+        self.lib = lib
+        self.set_num_threads(torch.get_num_threads())
+
+    def set_num_threads(self, n: int) -> None:
+        """Threads the kernels use, the calling thread included."""
+        self.lib.plinth_set_num_threads(n)
+
+    def num_threads(self) -> int:
+        """Threads the kernels use, the calling thread included."""
+        return int(self.lib.plinth_get_num_threads())
+
+    def read_probe(self, x: torch.Tensor) -> float:
+        """Sum of ``x`` (fp32, contiguous, numel a multiple of 4096), read like a weight stream."""
+        partial = torch.empty(x.numel() // 4096, dtype=torch.float32)
+        self.lib.plinth_read_probe(x.data_ptr(), partial.data_ptr(), x.numel())
+        return float(partial.sum())
+
+    def gemm_f32(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [M, K] @ ``w`` [N, K]^T (+ ``bias``) for small M; K a multiple of 8."""
+        M, K = x.shape
+        N = w.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        self.lib.plinth_gemm_f32(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 y.data_ptr(), M, N, K)  # fmt: skip
+        return y
+
+    def gemm_quant(
+        self, fmt: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """``x`` [M, K] @ dequant(``blocks``)^T for a ggml ``fmt`` weight of ``n`` rows."""
+        M, K = x.shape
+        y = torch.empty(M, n, dtype=torch.float32)
+        fn = self.lib.plinth_gemm_q4_1 if fmt == "q4_1" else self.lib.plinth_gemm_q8_0
+        if fn(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, n, K):
+            raise MemoryError(f"no memory to quantize {M} x {K} activations")
+        return y
+
+    def dequant(self, fmt: str, blocks: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 [n, k] values of a ggml ``fmt`` weight."""
+        if out is None:
+            out = torch.empty(n, k, dtype=torch.float32)
+        self.lib.plinth_dequant(QUANT_FORMATS[fmt][0], blocks.data_ptr(), out.data_ptr(), n, k)
+        return out
+
+    def round_trip_q8(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] as the int8-per-32-block values the quantized GEMMs multiply."""
+        out = torch.empty_like(x)
+        self.lib.plinth_round_trip_q8(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """RMSNorm of ``x`` [T, H]; with ``residual``, of ``residual += x`` (updated in place)."""
+        T, H = x.shape
+        out = torch.empty_like(x)
+        self.lib.plinth_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                 weight.data_ptr(), out.data_ptr(), T, H, eps)  # fmt: skip
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[:, :I]) * x[:, I:]`` for ``x`` [T, 2I]."""
+        T, I2 = x.shape
+        out = torch.empty(T, I2 // 2, dtype=x.dtype)
+        self.lib.plinth_silu_and_mul(x.data_ptr(), out.data_ptr(), T, I2 // 2)
+        return out
+
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+        """NeoX rotary of ``x`` [T, H, D] (heads dense, any token stride) -> a new contiguous tensor."""
+        T, H, D = x.shape
+        out = torch.empty(T, H, D, dtype=torch.float32)
+        self.lib.plinth_rotary(x.data_ptr(), x.stride(0), out.data_ptr(), positions.data_ptr(), cos_sin.data_ptr(),
+                               T, H, D, rotary_dim)  # fmt: skip
+        return out
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``key``/``value`` [T, Hk, D] (heads dense) into the head-major fp32 ``cache``."""
+        T, Hk, D = key.shape
+        self.lib.plinth_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), cache.data_ptr(),
+                                 slot_mapping.data_ptr(), T, Hk, D, cache.shape[1], cache.shape[3])  # fmt: skip
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+        soft_cap: float | None,
+    ) -> torch.Tensor:
+        """One query token per sequence: ``q`` [B, H, D] (heads dense) over the fp32 head-major
+        ``cache`` with int32 ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] -> [B, H, D]."""
+        B, H, D = q.shape
+        _, num_blocks, Hk, bs, _ = cache.shape
+        out = torch.empty(B, H, D, dtype=torch.float32)
+        failed = self.lib.plinth_decode_attention(
+            q.data_ptr(), q.stride(0), cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            seq_lens.data_ptr(), out.data_ptr(), B, H, Hk, D, bs, num_blocks, scale, window or 0, soft_cap or 0.0,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("no memory for decode attention scores")
+        return out
+
+
+@cache
+def _load() -> tuple[NativeKernels | None, str]:
+    if os.environ.get("PLINTH_CPU_NATIVE", "1") == "0":
+        return None, "native kernels off (PLINTH_CPU_NATIVE=0)"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"native kernels need x86-64, this is {platform.machine()}"
+    missing = REQUIRED_CPU_FLAGS - _cpu_flags()
+    if missing:
+        return None, f"native kernels need {', '.join(sorted(missing))}, which this CPU lacks"
+    compiler = _compiler()
+    if compiler is None:
+        return None, "native kernels need a C compiler (cc, gcc or clang; or $CC), none found"
+    try:
+        return NativeKernels(build(compiler)), f"native kernels: AVX2/FMA ({compiler})"
+    except (NativeBuildError, OSError) as e:
+        return None, f"native kernels failed to build or load: {e}"
+
+
+def native() -> NativeKernels | None:
+    """The loaded kernels, built on first use; ``None`` where they cannot run here."""
+    return _load()[0]
+
+
+def native_status() -> str:
+    """One line: which native kernels run, or why none do."""
+    return _load()[1]
+
+
+if __name__ == "__main__":  # `python -m plinth_cpu.native`: build ahead (make install does this)
+    kernels = native()
+    print(native_status() + (f" -> {kernels.path}" if kernels else ""))
+    sys.exit(0)

@@ -1,0 +1,227 @@
+"""The CPU backend's native kernels against torch / the reference semantics."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plinth.platform.backend import AttentionMetadata, AttentionSpec, SmallOps
+from plinth.quant import QuantizedWeight, dequantize, quantize_q8_0
+from plinth_cpu import native as native_mod
+from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
+from plinth_cpu.gemm import NATIVE_QUANT_MAX_ROWS, CpuGemm
+from plinth_cpu.native import NativeKernels, native, native_status
+from plinth_cpu.ops import CpuOps
+
+
+def _can_build() -> bool:
+    flags = native_mod._cpu_flags()
+    return platform.machine() == "x86_64" and flags >= native_mod.REQUIRED_CPU_FLAGS and bool(shutil.which("cc"))
+
+
+def test_native_kernels_load_where_they_can() -> None:
+    """On an AVX2 host with a compiler (CI's), the kernels build and load: they never silently go missing."""
+    if not _can_build():
+        assert native() is None and "native kernels" in native_status()
+        pytest.skip(native_status())
+    assert native() is not None, native_status()
+    assert native_status().startswith("native kernels: AVX2")
+
+
+needs_native = pytest.mark.skipif(native() is None, reason=native_status())
+
+
+@pytest.fixture
+def nk() -> NativeKernels:
+    kernels = native()
+    assert kernels is not None
+    return kernels
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest, nk: NativeKernels):  # noqa: ANN201
+    before = nk.num_threads()
+    nk.set_num_threads(request.param)
+    yield request.param
+    nk.set_num_threads(before)
+
+
+def _q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """Random q4_1 blocks: fp16 scale and min, random nibbles."""
+    nb = n * k // 32
+    d = (torch.rand(nb, 1, generator=gen) * 0.05 + 0.01).half()
+    m = (torch.rand(nb, 1, generator=gen) * -0.2).half()
+    qs = torch.randint(0, 256, (nb, 16), generator=gen, dtype=torch.uint8)
+    blocks = torch.cat((d.view(torch.uint8), m.view(torch.uint8), qs), dim=1)
+    return QuantizedWeight("q4_1", n, k, blocks.reshape(n, -1).contiguous())
+
+
+def _activation_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|x @ w.T - xq @ w.T| <= sum_k |w_k| * amax(block of k) / 254: the int8 activation rounding."""
+    M, K = x.shape
+    half_step = x.view(M, K // 32, 32).abs().amax(-1, keepdim=True).expand(M, K // 32, 32).reshape(M, K) / 254
+    return half_step @ w.abs().t() * 1.001 + 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n", [13, 96])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m * 100 + n)
+    x, w = torch.randn(m, 64, generator=gen), torch.randn(n, 64, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    torch.testing.assert_close(nk.gemm_f32(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3])
+def test_quantized_linear_within_activation_rounding(nk: NativeKernels, threads: int, fmt: str, m: int) -> None:
+    """Int8 activations on both paths (few rows: integer dots; many: dequantized tiles), error within
+    the activation-rounding bound, and a row's result independent of the batch size."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 40, 128
+    qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
+    w = dequantize(qw)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    gemm = CpuGemm(torch.float32, nk)
+    prepared = gemm.prepare_quantized(qw, b)
+    assert prepared.format == fmt and prepared.weight is None  # never dequantized at load
+    y = gemm.linear(x, prepared)
+    ref = F.linear(x.double(), w.double(), b.double()).float()
+    assert ((y - ref).abs() <= _activation_error_bound(x, w)).all()
+    assert (y - ref).abs().max() > 1e-4  # really int8 activations, not a dequantized fp32 product
+    # both paths multiply the same rounded activations: rows agree whatever the batch size
+    row = gemm.linear(x[:1], prepared)
+    torch.testing.assert_close(y[:1], row, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_dequant_matches_reference(nk: NativeKernels, fmt: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    qw = _q4_1(24, 96, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(24, 96, generator=gen))
+    torch.testing.assert_close(nk.dequant(fmt, qw.blocks, 24, 96), dequantize(qw), rtol=1e-6, atol=1e-7)
+
+
+def test_quantize_q8_0_round_trip() -> None:
+    """q8_0 of fp32 weights: error at most half a step per block plus the fp16 rounding of the
+    scale (127 steps times 2^-11 relative); zeros stay zeros."""
+    w = torch.randn(8, 64)
+    w[0, :32] = 0
+    back = dequantize(quantize_q8_0(w))
+    step = w.view(-1, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((back.view(-1, 32) - w.view(-1, 32)).abs() <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
+    assert back[0, :32].eq(0).all()
+
+
+@needs_native
+def test_small_ops_match_torch(nk: NativeKernels, threads: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    ops, ref = CpuOps(nk), SmallOps()
+    x, w = torch.randn(37, 64, generator=gen), torch.randn(64, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    residual = torch.randn(37, 64, generator=gen)
+    expected_sum = residual + x
+    normed = nk.rms_norm(x, w, 1e-6, residual=residual)
+    torch.testing.assert_close(residual, expected_sum)
+    torch.testing.assert_close(normed, ref.rms_norm(expected_sum, w, 1e-6))
+    gu = torch.randn(37, 2 * 48, generator=gen)
+    torch.testing.assert_close(ops.silu_and_mul(gu), ref.silu_and_mul(gu))
+    # rotary on a strided view (q inside a fused qkv row), partial rotary_dim: input untouched
+    qkv = torch.randn(37, 4 * 32 + 2 * 32, generator=gen)
+    q = qkv[:, : 4 * 32].view(37, 4, 32)
+    before = qkv.clone()
+    positions = torch.randint(0, 100, (37,), generator=gen)
+    freqs = torch.arange(100.0)[:, None] * torch.rand(8, generator=gen)[None]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # rotary_dim 16 < head 32
+    torch.testing.assert_close(ops.rotary(q, positions, cos_sin, 16), ref.rotary(q, positions, cos_sin, 16))
+    assert torch.equal(qkv, before)
+
+
+def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen: torch.Generator):  # noqa: ANN202
+    """A decode batch over a NaN-poisoned head-major cache with shuffled, padded block tables."""
+    bs, hk, d = spec.block_size, spec.num_kv_heads, spec.head_size
+    cache = torch.full(CPU_KV_LAYOUT.shape(num_blocks, bs, hk, d), float("nan"))
+    free = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables, used = [], 0
+    for n in seq_lens:
+        nb = -(-n // bs)
+        tables.append(free[used : used + nb].tolist())
+        used += nb
+    width = max(len(t) for t in tables) + 1
+    block_tables = torch.tensor([t + [99999] * (width - len(t)) for t in tables], dtype=torch.int32)
+    attn = CpuAttention(spec)  # torch path writes the cache: real K/V at every used slot
+    total = sum(seq_lens)
+    k, v = torch.randn(total, hk, d, generator=gen), torch.randn(total, hk, d, generator=gen)
+    slots = torch.cat(
+        [block_tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs for i, n in enumerate(seq_lens)]
+    )
+    attn.write_kv(k, v, cache, slots)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_host=[1] * len(seq_lens),
+        seq_lens_host=list(seq_lens),
+    )
+    return cache, meta
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
+)
+def test_decode_attention_matches_torch_path(
+    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int
+) -> None:
+    gen = torch.Generator().manual_seed(11)
+    spec = AttentionSpec(
+        num_heads=2 * group, num_kv_heads=2, head_size=32, block_size=4, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    seq_lens = [1, 6, 13, 4]
+    cache, meta = _decode_batch(seq_lens, spec, 32, gen)
+    q = torch.randn(len(seq_lens), spec.num_heads, 32, generator=gen)
+    got = CpuAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
+    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
+    gen = torch.Generator().manual_seed(5)
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, block_size=4)
+    qkv = torch.randn(6, (4 + 2 + 2) * 16, generator=gen)
+    k, v = qkv[:, 64:96].view(6, 2, 16), qkv[:, 96:].view(6, 2, 16)  # strided views, as the model passes
+    slots = torch.tensor([3, 4, -1, 17, 0, 9])
+    a, b = torch.zeros(CPU_KV_LAYOUT.shape(6, 4, 2, 16)), torch.zeros(CPU_KV_LAYOUT.shape(6, 4, 2, 16))
+    CpuAttention(spec, CPU_KV_LAYOUT, nk).write_kv(k, v, a, slots)
+    CpuAttention(spec).write_kv(k.contiguous(), v.contiguous(), b, slots)
+    assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+@needs_native
+def test_read_probe_sums(nk: NativeKernels, threads: int) -> None:
+    x = torch.rand(64 * 4096)
+    assert nk.read_probe(x) == pytest.approx(float(x.double().sum()), rel=1e-4)
+
+
+@needs_native
+def test_pool_survives_many_alternating_calls(nk: NativeKernels) -> None:
+    """Thousands of back-to-back parallel calls of different shapes give the right answers."""
+    nk.set_num_threads(2)
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, 64, generator=gen) for n in (4, 40, 400)]
+    x = torch.randn(2, 64, generator=gen)
+    expected = [F.linear(x, w) for w in ws]
+    for i in range(3000):
+        torch.testing.assert_close(nk.gemm_f32(x, ws[i % 3], None), expected[i % 3], rtol=1e-5, atol=1e-5)
