@@ -82,6 +82,11 @@ class RMSNorm(nn.Module):
         assert self.weight is not None, "RMSNorm used before its weight was loaded"
         return self.ops.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; ``residual`` may be overwritten with the sum."""
+        assert self.weight is not None, "RMSNorm used before its weight was loaded"
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2] in fp32, computed exactly as transformers does."""
@@ -170,17 +175,19 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``hidden`` [T, hidden] at ``positions`` [T] -> [T, hidden]."""
+        # Submodules are called through .forward: nn.Module.__call__ costs microseconds per call
+        # (hook bookkeeping), and a decode step makes hundreds of these calls.
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
+        qkv = self.qkv_proj.forward(hidden)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(q.view(num_tokens, self.num_heads, self.head_dim), positions)  # [T, H, D]
-        k = self.rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
+        q = self.rotary.forward(q.view(num_tokens, self.num_heads, self.head_dim), positions)  # [T, H, D]
+        k = self.rotary.forward(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
         # v is a strided slice of qkv; kernels may assume dense [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
         kv_cache = ctx.kv_caches[self.layer_idx]
         self.attn_kernels.write_kv(k.contiguous(), v, kv_cache, ctx.attn.slot_mapping)
         out = self.attn_kernels.forward(q.contiguous(), kv_cache, ctx.attn, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
 
 class GatedMLP(nn.Module):
@@ -194,5 +201,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, hidden] -> [T, hidden]."""
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        return self.down_proj(self.ops.silu_and_mul(gate_up))  # [T, I] -> [T, hidden]
+        gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
+        return self.down_proj.forward(self.ops.silu_and_mul(gate_up))  # [T, I] -> [T, hidden]

@@ -52,10 +52,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``hidden`` [T, hidden] -> [T, hidden]."""
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block on ``(hidden, residual)`` -> ``(mlp output, residual stream before it)``.
+
+        The residual additions are fused into the next norm (``add_rms_norm``): layer i returns
+        its MLP output unadded and layer i + 1 (or the final norm) adds it. The first layer gets
+        ``residual=None``: its input is the residual stream itself.
+        """
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm.forward(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn = self.self_attn.forward(positions, normed, ctx)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp.forward(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,14 +132,18 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.embed_tokens is not None, "forward before load_weights"
         hidden = self.embed_tokens.index_select(0, input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, ctx)
-        return self.norm(hidden)
+            assert isinstance(layer, DecoderLayer)
+            hidden, residual = layer.forward(positions, hidden, residual, ctx)
+        if residual is None:  # a model with no layers
+            return self.norm.forward(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [S, hidden] (the rows that sample) -> logits [S, vocab]."""
-        return self.lm_head(hidden)
+        return self.lm_head.forward(hidden)
 
     # -- weights -----------------------------------------------------------------------------------
 

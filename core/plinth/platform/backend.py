@@ -250,6 +250,17 @@ class SmallOps:
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (out * weight.to(out.dtype)).to(dtype)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + residual``; returns ``(rms_norm(s), s)`` (API 1.1).
+
+        The pre-norm residual step of every decoder layer in one call. ``residual`` belongs to
+        the caller's forward pass and may be overwritten with ``s`` (and returned as it).
+        """
+        s = x + residual
+        return self.rms_norm(s, weight, eps), s
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, 2I] -> silu(x[:, :I]) * x[:, I:]  ([M, I])."""
         gate, up = x.chunk(2, dim=-1)

@@ -184,6 +184,24 @@ class CpuAttention(AttentionKernels):
         past ``query_start_loc[-1]``) get zeros.
         """
         num_tokens, num_heads, head_size = query.shape
+        native = self._native
+        if (
+            native is not None
+            and meta.max_query_len == 1
+            and len(meta.query_lens_host) == num_tokens == meta.query_lens_host.count(1)
+            and query.dtype == kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous()
+        ):
+            # a pure decode step (one token per sequence, packed from row 0): one native call
+            return native.decode_attention(
+                query,
+                kv_cache,
+                meta.block_tables.to(torch.int32).contiguous(),
+                meta.seq_lens.to(torch.int32).contiguous(),
+                scale,
+                self.spec.sliding_window,
+                self.spec.logits_soft_cap,
+            )
         # Query offsets from the host copies (query_start_loc is their prefix sum): B host ints,
         # never a loop per token.
         starts, decodes, prefills = [], [], []
@@ -340,8 +358,6 @@ class CpuAttention(AttentionKernels):
             tables, seq = meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index)
         packed = starts == list(range(starts[0], starts[0] + G))
         q = query[starts[0] : starts[0] + G] if packed else query.index_select(0, torch.tensor(starts))
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-            q = q.contiguous()
         o = native.decode_attention(
             q,
             kv_cache,

@@ -217,6 +217,8 @@ class NativeKernels:
         ``cache`` with int32 ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] -> [B, H, D]."""
         B, H, D = q.shape
         _, num_blocks, Hk, bs, _ = cache.shape
+        if q.stride(2) != 1 or q.stride(1) != D:
+            q = q.contiguous()
         out = torch.empty(B, H, D, dtype=torch.float32)
         failed = self.lib.plinth_decode_attention(
             q.data_ptr(), q.stride(0), cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),

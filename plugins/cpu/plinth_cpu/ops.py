@@ -30,6 +30,23 @@ class CpuOps(SmallOps):
             return super().rms_norm(x, weight, eps)
         return self.native.rms_norm(x.contiguous(), weight.contiguous(), eps)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x`` in place, then ``(RMSNorm(residual), residual)``, in one native pass."""
+        if (
+            self.native is None
+            or x.dtype != torch.float32
+            or residual.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or x.dim() != 2
+            or x.shape != residual.shape
+            or x.shape[1] % 8
+            or not residual.is_contiguous()
+        ):
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self.native.rms_norm(x.contiguous(), weight.contiguous(), eps, residual=residual), residual
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, 2I] -> silu(x[:, :I]) * x[:, I:]."""
         if self.native is None or x.dtype != torch.float32 or x.dim() != 2:

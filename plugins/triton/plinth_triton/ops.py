@@ -210,17 +210,16 @@ class TritonSmallOps(SmallOps):
             x, weight, eps, None, block_r=self._rows_per_program(), launch=self.target.launch(4, 1)
         )
 
-    def fused_add_rms_norm(
+    def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        """``residual += x`` (in place), then return RMSNorm(residual): one pass over memory.
-
-        Not called by the core yet (its model graph adds residuals itself); kept for the day a
-        SmallOps hook offers it.
-        """
-        return self._norm_rope.rms_norm(
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x`` (in place), then ``(RMSNorm(residual), residual)``: one pass over memory."""
+        if x.dtype not in KERNEL_DTYPES or residual.dtype != x.dtype or not residual.is_contiguous():
+            return super().add_rms_norm(x, residual, weight, eps)
+        normed = self._norm_rope.rms_norm(
             x, weight, eps, residual, block_r=self._rows_per_program(), launch=self.target.launch(4, 1)
         )
+        return normed, residual
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
         """NeoX rotary of ``x`` [T, H, D] at ``positions`` [T]; ``cos_sin`` [max_pos, rotary_dim]."""

@@ -28,13 +28,14 @@ def test_rms_norm(dtype: torch.dtype, tol: float) -> None:
     torch.testing.assert_close(out.float(), SmallOps().rms_norm(x, w, 1e-5).float(), rtol=tol, atol=tol)
 
 
-def test_fused_add_rms_norm() -> None:
-    """residual += x in place, then the norm of the sum."""
+def test_add_rms_norm() -> None:
+    """residual += x in place, then the norm of the sum (and the sum, as the residual itself)."""
     gen = torch.Generator().manual_seed(1)
     x, residual = torch.randn(2, 7, 40, generator=gen)
     w = torch.randn(40, generator=gen)
     want_residual = x + residual
-    out = _ops().fused_add_rms_norm(x, residual, w, 1e-6)  # type: ignore[attr-defined]
+    out, summed = _ops().add_rms_norm(x, residual, w, 1e-6)
+    assert summed is residual
     torch.testing.assert_close(residual, want_residual)
     torch.testing.assert_close(out, SmallOps().rms_norm(want_residual, w, 1e-6), rtol=1e-5, atol=1e-5)
 
