@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from plinth.config import QUANTIZATION_HELP
@@ -44,13 +45,65 @@ def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> di
             continue  # warm-up
         decode.append(out.metrics.decode_tokens_per_s)
         ttft.append(out.metrics.time_to_first_token)
+    decode_tok_s = statistics.median(decode)
+    weights = weight_bytes_per_token(llm.engine.model)
+    probes = read_bandwidth_probes(llm.engine.backend.name)
+    bandwidth = max(probes.values())
     return {
         "backend": llm.engine.backend.name,
         "input_len": input_len,
         "output_len": output_len,
-        "decode_tok_s": round(statistics.median(decode), 2),
+        "decode_tok_s": round(decode_tok_s, 2),
         "ttft_s": round(statistics.median(ttft), 4),
+        "weight_mb_per_token": round(weights / 1e6, 1),
+        "read_probe_gbps": {k: round(v, 1) for k, v in probes.items()},
+        "bandwidth_limit_tok_s": round(bandwidth * 1e9 / weights, 1),
+        "pct_of_bandwidth_limit": round(100 * decode_tok_s * weights / (bandwidth * 1e9), 1),
     }
+
+
+def weight_bytes_per_token(model: Any) -> int:
+    """Bytes of weights a batch-1 decode step must read: every linear weight (dense or quantized
+    blocks) once; the embedding contributes one row, so it is left out."""
+    from plinth.model.layers import Linear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            w = module.weight
+            tensors = [w.weight, w.bias, *w.data.values()]
+            total += sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
+    return total
+
+
+def read_bandwidth_probes(backend: str, nbytes: int = 256 << 20) -> dict[str, float]:
+    """GB/s of reading ``nbytes`` (best of 5), by torch's ``sum`` and, on the cpu backend, by its
+    AVX2 streaming loop (the loads its GEMV makes). The larger is the limit decode is held to."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    probes: dict[str, Callable[[], object]] = {"torch_sum": x.sum}
+    if backend == "cpu":
+        try:
+            from plinth_cpu.native import native
+        except ImportError:
+            kernels = None
+        else:
+            kernels = native()
+        if kernels is not None:
+            probes["avx2_stream"] = lambda: kernels.read_probe(x)
+    results = {}
+    for name, fn in probes.items():
+        fn()
+        best = min(_timed(fn) for _ in range(5))
+        results[name] = nbytes / best / 1e9
+    return results
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def measure_cold_start(model: str | None, backend: str | None) -> float:
@@ -85,6 +138,12 @@ def run_bench_latency(args: argparse.Namespace) -> int:
     )
     if "cold_start_s" in result:
         line += f", cold start to first token {result['cold_start_s']:.2f} s"
+    probe = max(result["read_probe_gbps"].values())
+    line += (
+        f"\n  weights read per token {result['weight_mb_per_token']:.0f} MB; read bandwidth {probe:.1f} GB/s "
+        f"(probes {result['read_probe_gbps']}) -> limit {result['bandwidth_limit_tok_s']:.1f} tok/s; "
+        f"decode reaches {result['pct_of_bandwidth_limit']:.0f}% of it"
+    )
     print(line)
     if args.json:
         with open(args.json, "w") as f:

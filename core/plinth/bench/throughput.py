@@ -33,7 +33,6 @@ def run_throughput(llm: Any, requests: list[BenchRequest], progress: bool = True
 
     engine = llm.engine
     sched = engine.scheduler
-    block_size = engine.block_size
     bar = None
     if progress:
         from tqdm import tqdm
@@ -52,8 +51,7 @@ def run_throughput(llm: Any, requests: list[BenchRequest], progress: bool = True
                 if bar is not None:
                     bar.update(1)
         # KV waste: slots held by running requests minus the tokens stored in them
-        stored = sum(r.num_computed_tokens for r in sched.running)
-        slots = sum(len(sched.kv_cache_manager.block_ids(r.request_id)) for r in sched.running) * block_size
+        slots, stored = sched.kv_slots()
         slots_sum += slots
         stored_sum += stored
     elapsed = time.perf_counter() - start

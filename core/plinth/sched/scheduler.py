@@ -193,6 +193,23 @@ class Scheduler:
         """Fraction of KV blocks in use (0.0 .. 1.0)."""
         return self.kv_cache_manager.usage
 
+    def kv_slots(self) -> tuple[int, int]:
+        """``(slots, stored)``: KV slots in the block tables of the running requests, and the tokens
+        stored in them. ``slots - stored`` is the cache the running batch holds but does not use
+        (the unfilled tail of each last block, and blocks allocated ahead of their tokens)."""
+        bs = self.block_size
+        slots = stored = 0
+        for r in self.running:
+            slots += len(self.kv_cache_manager.block_ids(r.request_id)) * bs
+            stored += r.num_computed_tokens
+        return slots, stored
+
+    @property
+    def kv_waste(self) -> float:
+        """Fraction of the running batch's KV slots that hold no token (0.0 .. 1.0)."""
+        slots, stored = self.kv_slots()
+        return (slots - stored) / slots if slots else 0.0
+
     @staticmethod
     def _seats(request: Request) -> int:
         """Running slots a request takes: ``n`` until it forks, then 1 per sequence."""

@@ -55,6 +55,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    kv_waste: float = 0.0
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
@@ -258,6 +259,7 @@ class AsyncEngine:
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             kv_usage=s.kv_usage,
+            kv_waste=s.kv_waste,
             num_preemptions_total=s.num_preemptions_total,
             prefix_cache_queries_total=s.prefix_cache_query_tokens,
             prefix_cache_hits_total=s.prefix_cache_hit_tokens,

@@ -47,6 +47,8 @@ class _EngineCollector(Collector):
         yield gauge("plinth:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("plinth:num_requests_waiting", "Requests queued, not yet running.", s.num_waiting)
         yield gauge("plinth:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).", s.kv_usage)
+        waste_doc = "Fraction of the running requests' KV slots holding no token (1 = 100%)."
+        yield gauge("plinth:kv_cache_waste_perc", waste_doc, s.kv_waste)
         yield counter("plinth:num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total)
         queries = s.prefix_cache_queries_total
         yield counter("plinth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)

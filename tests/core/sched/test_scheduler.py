@@ -328,3 +328,13 @@ def test_prefix_caching_off_recomputes() -> None:
         out, _ = step(s)
         assert out.scheduled[0].start_position == 0
     assert s.prefix_cache_hit_tokens == 0
+
+
+def test_kv_waste_counts_the_unfilled_tails_of_running_requests() -> None:
+    s = sched(max_num_batched_tokens=64)
+    assert s.kv_slots() == (0, 0) and s.kv_waste == 0.0
+    s.add_request(make("a", 5, max_tokens=8))  # 5 tokens in blocks of 4: 2 blocks, 3 slots empty
+    s.add_request(make("b", 8, max_tokens=8))  # 8 tokens: 2 full blocks
+    step(s)
+    assert s.kv_slots() == (16, 13)
+    assert s.kv_waste == 3 / 16

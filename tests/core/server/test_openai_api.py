@@ -167,6 +167,7 @@ def test_small_routes(server: ServerProcess) -> None:
         "plinth:num_requests_running",
         "plinth:num_requests_waiting",
         "plinth:kv_cache_usage_perc",
+        "plinth:kv_cache_waste_perc",
         "plinth:prompt_tokens_total",
         "plinth:generation_tokens_total",
         "plinth:time_to_first_token_seconds_bucket",
