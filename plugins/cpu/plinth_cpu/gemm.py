@@ -1,10 +1,11 @@
 """GEMM for the CPU backend: dense fp32/bf16/fp16 weights and ggml q4_1/q8_0 blocks.
 
-Dense weights stay ``[N, K]`` row-major. Few activation rows (decode) go through the native
-kernel, which streams the weight once at close to read bandwidth (torch's M=1 GEMM reaches about a
-third of it here); more rows go through ``F.linear``, whose oneDNN/MKL GEMM wins once the
-product is compute-bound. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2
-hosts, so the weight is never pre-transposed.
+Dense weights stay ``[N, K]`` row-major. Up to a decode batch of activation rows go through the
+native kernel, which streams the weight once at close to read bandwidth (torch's M=1 GEMM reaches
+about a third of it here) and runs on the backend's own thread pool; prefill-sized products go
+through ``F.linear``, whose oneDNN/MKL GEMM wins once the product is compute-bound. A row-major
+``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
+pre-transposed.
 
 Quantized weights keep their GGUF blocks (never dequantized at load). Activations are rounded to
 int8 per 32-block (like llama.cpp) on both paths, so a sequence's logits do not depend on how many
@@ -22,8 +23,10 @@ from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.quant import QuantizedWeight
 from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 
-#: Dense fp32 products with at most this many rows use the native kernel (measured crossover).
-NATIVE_DENSE_MAX_ROWS = 8
+#: Dense fp32 products with at most this many rows use the native kernel. Measured here (fp32,
+#: SmolLM2 shapes): 1.1-3x F.linear up to 64 rows with one thread, about even at 64, 0.7-0.85x at
+#: 256; with two threads on a busy machine F.linear's OpenMP barriers stall and native is 2-20x.
+NATIVE_DENSE_MAX_ROWS = 64
 #: Quantized products with at most this many rows use the native int8 kernel.
 NATIVE_QUANT_MAX_ROWS = 16
 #: Weight rows dequantized per tile for the F.linear path (tile bytes ~ rows * K * 4).
@@ -64,21 +67,24 @@ class CpuGemm(GemmKernels):
             return self._linear_quantized(x, weight)
         if weight.weight is None:
             raise ValueError(f"CpuGemm got a {weight.format!r} weight without a dense tensor")
+        return self._dense(x, weight.weight, weight.bias)
+
+    def _dense(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (
             self.native is not None
             and x.dtype == torch.float32
-            and weight.weight.dtype == torch.float32
+            and w.dtype == torch.float32
             and x.shape[0] <= NATIVE_DENSE_MAX_ROWS
-            and weight.in_features % 8 == 0
+            and w.shape[1] % 8 == 0
         ):
-            return self.native.gemm_f32(x.contiguous(), weight.weight, weight.bias)
-        return F.linear(x, weight.weight, weight.bias)
+            return self.native.gemm_f32(x.contiguous(), w, bias)
+        return F.linear(x, w, bias)
 
     def _linear_quantized(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         native = self.native
         if native is None:
             raise ValueError(f"CpuGemm got a {weight.format!r} weight but has no native kernels")
-        xf = x.to(torch.float32).contiguous()
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         blocks = weight.data["blocks"]
         n, k = weight.out_features, weight.in_features
         if x.shape[0] <= NATIVE_QUANT_MAX_ROWS:
@@ -93,5 +99,5 @@ class CpuGemm(GemmKernels):
                 n1 = min(n, n0 + rows)
                 tile = native.dequant(weight.format, blocks[n0:n1], n1 - n0, k, self._tile[: (n1 - n0) * k].view(-1, k))
                 bias = None if weight.bias is None else weight.bias[n0:n1]
-                y[:, n0:n1] = F.linear(xf, tile, bias)
+                y[:, n0:n1] = self._dense(xf, tile, bias)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

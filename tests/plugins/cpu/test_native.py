@@ -68,7 +68,7 @@ def _activation_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 45])
 @pytest.mark.parametrize("n", [13, 96])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int, bias: bool) -> None:

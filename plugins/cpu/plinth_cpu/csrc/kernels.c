@@ -203,28 +203,61 @@ void plinth_read_probe(const float *x, float *out, int64_t n) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * fp32 GEMM for few rows (decode): y[M, N] = x[M, K] @ w[N, K]^T + b.
- * Four weight rows at a time are dotted with every activation row while they sit in L1, so the
- * weight streams from memory once per call. K must be a multiple of 8.
+ * fp32 GEMM: y[M, N] = x[M, K] @ w[N, K]^T + b, K a multiple of 8.
+ * Work items are groups of 3 weight rows. Within one, a 4x3 register tile (12 accumulators along
+ * K, 4 activation rows by 3 weight rows) keeps the FMA units busy: 7 loads per 12 FMAs. With one
+ * activation row (decode) the 1x3 tail is load-bound, and the weight streams from memory once.
  */
-static inline void dot4(const float *x, const float *w, int64_t K, float *out) {
-    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv = _mm256_loadu_ps(x + k);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
-    }
-    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-}
-
 static inline float dot1(const float *x, const float *w, int64_t K) {
     __m256 a = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
     return hsum256(a);
+}
+
+/* [sum(a), sum(b), sum(c), 0] */
+static inline __m128 hsum3(__m256 a, __m256 b, __m256 c) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, _mm256_setzero_ps()));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+static inline void store3(float *y, __m128 v, const float *bias) {
+    float r[4];
+    _mm_storeu_ps(r, v);
+    for (int j = 0; j < 3; j++) y[j] = r[j] + (bias ? bias[j] : 0.0f);
+}
+
+static void tile_4x3(const float *x, const float *w, int64_t K, float *y, int64_t N, const float *bias) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+    __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 a = _mm256_loadu_ps(w0 + k), b = _mm256_loadu_ps(w1 + k), c = _mm256_loadu_ps(w2 + k);
+        __m256 v = _mm256_loadu_ps(x0 + k);
+        c00 = _mm256_fmadd_ps(v, a, c00), c01 = _mm256_fmadd_ps(v, b, c01), c02 = _mm256_fmadd_ps(v, c, c02);
+        v = _mm256_loadu_ps(x1 + k);
+        c10 = _mm256_fmadd_ps(v, a, c10), c11 = _mm256_fmadd_ps(v, b, c11), c12 = _mm256_fmadd_ps(v, c, c12);
+        v = _mm256_loadu_ps(x2 + k);
+        c20 = _mm256_fmadd_ps(v, a, c20), c21 = _mm256_fmadd_ps(v, b, c21), c22 = _mm256_fmadd_ps(v, c, c22);
+        v = _mm256_loadu_ps(x3 + k);
+        c30 = _mm256_fmadd_ps(v, a, c30), c31 = _mm256_fmadd_ps(v, b, c31), c32 = _mm256_fmadd_ps(v, c, c32);
+    }
+    store3(y, hsum3(c00, c01, c02), bias);
+    store3(y + N, hsum3(c10, c11, c12), bias);
+    store3(y + 2 * N, hsum3(c20, c21, c22), bias);
+    store3(y + 3 * N, hsum3(c30, c31, c32), bias);
+}
+
+static void tile_1x3(const float *x, const float *w, int64_t K, float *y, const float *bias) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K;
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 v = _mm256_loadu_ps(x + k);
+        c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w0 + k), c0);
+        c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w1 + k), c1);
+        c2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w2 + k), c2);
+    }
+    store3(y, hsum3(c0, c1, c2), bias);
 }
 
 typedef struct {
@@ -233,21 +266,28 @@ typedef struct {
     int64_t M, N, K;
 } gemm_ctx;
 
-/* items are groups of 4 weight rows */
+/* Activation rows per pass over an item range: 32 rows of K floats stay in L2 while the range's
+ * weight rows stream past them. */
+#define GEMM_M_BLOCK 32
+
+/* items are groups of 3 weight rows */
 static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
     gemm_ctx *c = (gemm_ctx *)p;
-    int64_t N = c->N, K = c->K;
-    for (int64_t nb = begin; nb < end; nb++) {
-        int64_t n = nb * 4;
-        for (int64_t m = 0; m < c->M; m++) {
-            const float *xr = c->x + m * K;
-            float *yr = c->y + m * N;
-            if (n + 4 <= N) {
-                float r[4];
-                dot4(xr, c->w + n * K, K, r);
-                for (int j = 0; j < 4; j++) yr[n + j] = r[j] + (c->bias ? c->bias[n + j] : 0.0f);
+    int64_t M = c->M, N = c->N, K = c->K;
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
+        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M;
+        for (int64_t item = begin; item < end; item++) {
+            int64_t n = item * 3;
+            const float *w = c->w + n * K;
+            const float *bias = c->bias ? c->bias + n : NULL;
+            if (n + 3 <= N) {
+                int64_t m = m0;
+                for (; m + 4 <= m1; m += 4) tile_4x3(c->x + m * K, w, K, c->y + m * N + n, N, bias);
+                for (; m < m1; m++) tile_1x3(c->x + m * K, w, K, c->y + m * N + n, bias);
             } else {
-                for (int64_t j = n; j < N; j++) yr[j] = dot1(xr, c->w + j * K, K) + (c->bias ? c->bias[j] : 0.0f);
+                for (int64_t m = m0; m < m1; m++)
+                    for (int64_t j = n; j < N; j++)
+                        c->y[m * N + j] = dot1(c->x + m * K, c->w + j * K, K) + (c->bias ? c->bias[j] : 0.0f);
             }
         }
     }
@@ -255,7 +295,7 @@ static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
 
 void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
     gemm_ctx c = {x, w, bias, y, M, N, K};
-    int64_t groups = (N + 3) / 4;
+    int64_t groups = (N + 2) / 3;
     parallel_for(gemm_f32_range, &c, groups, grain_for(groups, 8));
 }
 
