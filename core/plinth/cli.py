@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
+if TYPE_CHECKING:
+    from plinth.sampling_params import SamplingParams
 
-from plinth.config import QUANTIZATION_HELP
-from plinth.platform.host import BackendError, default_host
-from plinth.sampling_params import SamplingParams
+# The interpreter has started: torch, pydantic and the engine are imported from here on, by the
+# functions that need them (`plinth --help` stays quick), and --timings-json times them from here.
+_STARTED_AT = time.time()
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    from plinth.config import QUANTIZATION_HELP
+
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
@@ -39,6 +45,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
+    from plinth.sampling_params import SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -82,14 +90,42 @@ def _report(llm, out) -> None:  # noqa: ANN001
     )
 
 
+class _Timings:
+    """Wall-clock marks of one ``generate`` run, written as JSON for ``plinth bench latency``.
+
+    ``time.time()`` rather than a monotonic clock: the benchmark compares them with its own clock
+    read before it started this process. Built without a path it records nothing (a null timer).
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.marks: dict[str, float] = {"python": _STARTED_AT} if path else {}
+
+    def mark(self, name: str) -> None:
+        if self.path and name not in self.marks:
+            self.marks[name] = time.time()
+
+    def write(self, engine_phases: dict[str, float]) -> None:
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump({"marks": self.marks, "engine_phases": engine_phases}, f)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion of a prompt and print it with its speed."""
+    timings = _Timings(args.timings_json)
     params = _params(args)
+    from plinth.llm import LLM  # noqa: F401 - imported here so that the import phase is timed apart
+
+    timings.mark("imports")
     llm = _llm(args)
+    timings.mark("engine")
     streamed = 0
 
     def stream(out) -> None:  # noqa: ANN001
         nonlocal streamed
+        if out.outputs[0].token_ids:
+            timings.mark("first_token")
         text = out.outputs[0].text
         sys.stdout.write(text[streamed:])
         sys.stdout.flush()
@@ -103,6 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = out.outputs[0].text
     sys.stdout.write(text[streamed:] + "\n")
     _report(llm, out)
+    timings.write(llm.engine.startup_seconds)
     return 0
 
 
@@ -139,6 +176,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_backends(args: argparse.Namespace) -> int:
     """Print installed backends ranked by probe score, with reasons (and plugins with --verbose)."""
+    from plinth.platform.host import BackendError, default_host
+
     host = default_host()
     statuses = host.statuses()
     try:
@@ -207,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(gen)
     _sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--timings-json", default=None, help=argparse.SUPPRESS)  # for `plinth bench latency`
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
 
@@ -257,8 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose_log else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from pydantic import ValidationError
+
     from plinth.engine import InvalidRequest
     from plinth.platform.backend import NotSupported
+    from plinth.platform.host import BackendError
 
     try:
         return int(args.func(args))

@@ -92,6 +92,9 @@ class LLMEngine:
                 f"quantization 'int8' needs a backend that multiplies q8_0 weights; {backend.name} declares "
                 f"{', '.join(sorted(caps.quant_formats)) or 'no quantized formats'}"
             )
+        #: seconds per start-up phase ("backend", "weights", "tokenizer", "kv_cache"), for cold-start reports
+        self.startup_seconds: dict[str, float] = {"backend": time.monotonic() - t0}
+        lap = time.monotonic()
         source = resolve_model(config.model)
         self.model, self.model_config = load_model(
             source,
@@ -108,7 +111,10 @@ class LLMEngine:
             kv_cache_dtype=kv_dtype,
             allow_pickle=config.allow_pickle,
         )
+        self.startup_seconds["weights"] = time.monotonic() - lap
+        lap = time.monotonic()
         self.tokenizer = load_tokenizer(source)
+        self.startup_seconds["tokenizer"] = time.monotonic() - lap
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         specs = self.model.attention_specs()
         num_blocks = self._num_blocks(specs, block_size, torch_dtype(kv_dtype).itemsize)
@@ -121,7 +127,9 @@ class LLMEngine:
                 )
             logger.warning("KV cache holds %d tokens: context length lowered to that", fits)
             self.max_model_len = fits
+        lap = time.monotonic()
         kv_caches = [backend.allocate_kv_cache(spec, num_blocks) for spec in specs]
+        self.startup_seconds["kv_cache"] = time.monotonic() - lap
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(

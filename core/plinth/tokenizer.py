@@ -8,17 +8,18 @@ llama.cpp's key names (rebuilt here as the byte-level BPE they describe).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+
+if TYPE_CHECKING:
+    import jinja2
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _GGUF_CONTROL = 3
@@ -72,6 +73,10 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     """A chat template compiled in a sandbox, with the helpers Hugging Face templates use."""
+    # jinja2 is imported here, not at module level: plain generation (the cold-start path) never needs it
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -232,6 +237,8 @@ class Tokenizer:
             "eos_token": self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None),
             **kwargs,
         }
+        import jinja2
+
         try:
             return _compile_template(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **context
@@ -329,16 +336,22 @@ def _byte_alphabet() -> dict[int, str]:
     return mapping
 
 
+@lru_cache(maxsize=1)
+def _outside_alphabet() -> re.Pattern[str]:
+    """Finds a character outside the byte alphabet (one C-level scan per token, not a set per token)."""
+    return re.compile("[^" + "".join(re.escape(c) for c in _byte_alphabet().values()) + "]")
+
+
 def _gguf_byte_level_bpe(metadata: Mapping[str, Any]) -> BackendTokenizer:
     """The byte-level BPE a GGUF's ``tokenizer.ggml.*`` keys describe."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
+    outside = _outside_alphabet().search
     # a token written with characters outside the byte alphabet is respelled in it (as transformers does)
     vocab = {
-        tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8")): i
-        for i, tok in enumerate(tokens)
+        "".join(alphabet[b] for b in tok.encode("utf-8")) if outside(tok) else tok: i for i, tok in enumerate(tokens)
     }
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))

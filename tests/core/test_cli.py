@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,22 @@ def test_generate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "8 generated tokens" in captured.err and "tokens/s" in captured.err
     assert main(["chat", "--model", str(tmp_path), "--max-tokens", "4", "--ignore-eos", "hi there"]) == 0
     assert "4 generated tokens" in capsys.readouterr().err
+
+
+def test_generate_writes_start_up_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    from engine_helpers import save_tiny_folder
+
+    save_tiny_folder("llama", tmp_path)
+    path = tmp_path / "timings.json"
+    assert main(["generate", "--model", str(tmp_path), "--max-tokens", "2", "--timings-json", str(path), "hi"]) == 0
+    report = json.loads(path.read_text())
+    marks = report["marks"]
+    assert list(marks) == ["python", "imports", "engine", "first_token"]
+    assert marks["python"] <= marks["imports"] <= marks["engine"] <= marks["first_token"]
+    assert set(report["engine_phases"]) == {"backend", "weights", "tokenizer", "kv_cache"}
+    assert all(v >= 0 for v in report["engine_phases"].values())
+    assert "--timings-json" not in capsys.readouterr().out  # a hidden option: nothing else changes
 
 
 @pytest.mark.slow

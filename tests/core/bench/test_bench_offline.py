@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from plinth.bench.datasets import sharegpt, synthetic
-from plinth.bench.latency import measure_latency
+from plinth.bench.latency import COLD_START_PHASES, measure_cold_start, measure_latency
 from plinth.bench.throughput import run_throughput
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
@@ -63,3 +63,15 @@ def test_throughput_and_latency_on_a_tiny_model(tmp_path: Path) -> None:
     assert not llm.engine.has_unfinished()
     lat = measure_latency(llm, input_len=8, output_len=6, iters=1)
     assert lat["decode_tok_s"] > 0 and lat["ttft_s"] > 0
+
+
+def test_cold_start_is_process_start_to_first_token_with_its_phases(tmp_path: Path) -> None:
+    from engine_helpers import save_tiny_folder
+
+    save_tiny_folder("llama", tmp_path)
+    result = measure_cold_start(str(tmp_path), "cpu")
+    phases = result["cold_start_phases_s"]
+    assert tuple(phases) == COLD_START_PHASES
+    assert all(v >= -0.01 for v in phases.values())  # engine_other mixes two clocks: ms of jitter
+    assert result["cold_start_s"] > 0
+    assert sum(phases.values()) == pytest.approx(result["cold_start_s"], abs=0.02)

@@ -146,6 +146,23 @@ def test_unsupported_gguf_tokenizer_model() -> None:
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
 
 
+def test_gguf_tokens_outside_the_byte_alphabet_are_respelled() -> None:
+    # llama.cpp writes some tokens with raw characters (a space, a newline); the BPE vocabulary spells
+    # them in GPT-2's byte alphabet, as transformers does ("Ġ" is the space byte, "Ċ" the newline)
+    tokens = ["a", "b", "ab", "a b", "\n", "<|im_start|>"]
+    tok = Tokenizer.from_gguf_metadata(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3],
+            "tokenizer.ggml.merges": ["a b"],
+        }
+    )
+    assert [tok.token_to_id(t) for t in ("a", "b", "ab", "aĠb", "Ċ")] == [0, 1, 2, 3, 4]
+    assert tok.token_to_id("a b") is None and tok.token_to_id("\n") is None
+    assert tok.encode("ab<|im_start|>", add_special_tokens=False) == [2, 5]
+
+
 # -- incremental detokenizer -----------------------------------------------------------------------
 
 
