@@ -56,8 +56,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
         """``logits`` [L, V] -> one result per row."""
         logits = logits.float()
-        index = torch.tensor([r.logits_index for r in rows], dtype=torch.long, device=logits.device)
-        logits = logits.index_select(0, index)  # [S, V]
+        order = [r.logits_index for r in rows]
+        if order != list(range(logits.shape[0])):  # n > 1 repeats rows; else the logits are in order
+            logits = logits.index_select(0, torch.tensor(order, dtype=torch.long, device=logits.device))  # [S, V]
+        elif any(r.params.has_penalties for r in rows):
+            logits = logits.clone()  # penalties write rows in place: never into the caller's tensor
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -67,7 +70,9 @@ class Sampler:
 
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if greedy:
+        if len(greedy) == len(rows):  # all greedy: no row selection (a [S, V] copy each)
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
             g = torch.tensor(greedy, dtype=torch.long, device=logits.device)
             tokens[g] = logits.index_select(0, g).argmax(dim=-1)
         random = [i for i, r in enumerate(rows) if not r.params.greedy]

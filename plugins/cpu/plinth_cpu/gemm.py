@@ -9,9 +9,9 @@ pre-transposed.
 
 Quantized weights keep their GGUF blocks (never dequantized at load). Activations are rounded to
 int8 per 32-block (like llama.cpp) on both paths, so a sequence's logits do not depend on how many
-others share its step. Few rows: the native kernel takes integer dot products. Many rows: blocks
-of weight rows are dequantized into a small scratch tile that stays in cache and multiplied by
-``F.linear`` with the rounded activations; the dequantization is then a small share of the work.
+others share its step. Few rows: the native kernel takes integer dot products. Many rows: each
+group of 3 weight rows is dequantized into a cache-resident buffer and multiplied by the rounded
+activations with the fp32 register tiles; the dequantization is then a small share of the work.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 NATIVE_DENSE_MAX_ROWS = 64
 #: Quantized products with at most this many rows use the native int8 kernel.
 NATIVE_QUANT_MAX_ROWS = 16
-#: Weight rows dequantized per tile for the F.linear path (tile bytes ~ rows * K * 4).
-DEQUANT_TILE_BYTES = 4 << 20
 
 
 class CpuGemm(GemmKernels):
@@ -39,7 +37,6 @@ class CpuGemm(GemmKernels):
     def __init__(self, dtype: torch.dtype, native: NativeKernels | None = None) -> None:
         self.dtype = dtype
         self.native = native
-        self._tile: torch.Tensor | None = None
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
         """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous, on the CPU."""
@@ -86,18 +83,9 @@ class CpuGemm(GemmKernels):
             raise ValueError(f"CpuGemm got a {weight.format!r} weight but has no native kernels")
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         blocks = weight.data["blocks"]
-        n, k = weight.out_features, weight.in_features
+        n = weight.out_features
         if x.shape[0] <= NATIVE_QUANT_MAX_ROWS:
             y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n)
-        else:
-            xf = native.round_trip_q8(xf)  # the same activation rounding as the few-row path
-            y = torch.empty(x.shape[0], n, dtype=torch.float32)
-            rows = max(8, DEQUANT_TILE_BYTES // (4 * k))
-            if self._tile is None or self._tile.numel() < rows * k:
-                self._tile = torch.empty(rows * k, dtype=torch.float32)
-            for n0 in range(0, n, rows):
-                n1 = min(n, n0 + rows)
-                tile = native.dequant(weight.format, blocks[n0:n1], n1 - n0, k, self._tile[: (n1 - n0) * k].view(-1, k))
-                bias = None if weight.bias is None else weight.bias[n0:n1]
-                y[:, n0:n1] = self._dense(xf, tile, bias)
+        else:  # the same activation rounding as the few-row path, then fp32 tiles on dequantized rows
+            y = native.gemm_dequant(weight.format, native.round_trip_q8(xf), blocks, weight.bias, n)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

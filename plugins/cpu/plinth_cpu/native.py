@@ -45,6 +45,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "plinth_gemm_q8_0": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
     "plinth_dequant": (None, [c_int, c_void_p, c_void_p, c_int64, c_int64]),
     "plinth_round_trip_q8": (None, [c_void_p, c_void_p, c_int64, c_int64]),
+    "plinth_gemm_dequant": (c_int, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
     "plinth_rms_norm": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_float]),
     "plinth_silu_and_mul": (None, [c_void_p, c_void_p, c_int64, c_int64]),
     "plinth_rotary": (None, [c_void_p, c_int64, c_void_p, c_void_p, c_void_p] + [c_int64] * 4),
@@ -157,6 +158,18 @@ class NativeKernels:
         fn = self.lib.plinth_gemm_q4_1 if fmt == "q4_1" else self.lib.plinth_gemm_q8_0
         if fn(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, n, K):
             raise MemoryError(f"no memory to quantize {M} x {K} activations")
+        return y
+
+    def gemm_dequant(
+        self, fmt: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """``x`` [M, K] @ dequant(``blocks``)^T with fp32 activations as given (many-row path)."""
+        M, K = x.shape
+        y = torch.empty(M, n, dtype=torch.float32)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        code = QUANT_FORMATS[fmt][0]
+        if self.lib.plinth_gemm_dequant(code, x.data_ptr(), blocks.data_ptr(), bias_ptr, y.data_ptr(), M, n, K):
+            raise MemoryError("no memory for dequantized weight rows")
         return y
 
     def dequant(self, fmt: str, blocks: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:

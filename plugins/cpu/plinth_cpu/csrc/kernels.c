@@ -458,6 +458,63 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
     }
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Quantized GEMM for many rows: x [M, K] (activations already rounded by plinth_round_trip_q8)
+ * times a q4_1/q8_0 weight. Each item dequantizes its 3 weight rows into a small per-thread buffer
+ * (cache-resident) and runs the fp32 register tiles over every activation row: the dequantization
+ * is paid once per 3 rows and M-block, the products run at fp32 GEMM speed.
+ */
+typedef struct {
+    int fmt;
+    const float *x;
+    const char *w;
+    const float *bias;
+    float *y;
+    int64_t M, N, K;
+    size_t row_bytes;
+    _Atomic int failed;
+} qdgemm_ctx;
+
+static void qdgemm_range(void *p, int64_t begin, int64_t end) {
+    qdgemm_ctx *c = (qdgemm_ctx *)p;
+    int64_t M = c->M, N = c->N, K = c->K;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(3 * K));
+    if (!buf) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    dequant_ctx d = {c->fmt, c->w, NULL, K, K / QK, c->fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)};
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
+        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M;
+        for (int64_t item = begin; item < end; item++) {
+            int64_t n = item * 3, rows = n + 3 <= N ? 3 : N - n;
+            d.out = buf - n * K; /* dequant_range writes row r at out + r * K */
+            dequant_range(&d, n, n + rows);
+            const float *bias = c->bias ? c->bias + n : NULL;
+            if (rows == 3) {
+                int64_t m = m0;
+                for (; m + 4 <= m1; m += 4) tile_4x3(c->x + m * K, buf, K, c->y + m * N + n, N, bias);
+                for (; m < m1; m++) tile_1x3(c->x + m * K, buf, K, c->y + m * N + n, bias);
+            } else {
+                for (int64_t m = m0; m < m1; m++)
+                    for (int64_t j = 0; j < rows; j++)
+                        c->y[m * N + n + j] = dot1(c->x + m * K, buf + j * K, K) + (bias ? bias[j] : 0.0f);
+            }
+        }
+    }
+    free(buf);
+}
+
+/* y[M, N] = x[M, K] @ dequant(w)^T + b; returns 0, or -1 when out of memory. */
+int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N,
+                        int64_t K) {
+    size_t bsz = fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0);
+    qdgemm_ctx c = {fmt, x, (const char *)w, bias, y, M, N, K, (size_t)(K / QK) * bsz, 0};
+    int64_t groups = (N + 2) / 3;
+    parallel_for(qdgemm_range, &c, groups, grain_for(groups, 8));
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
 /* Dequantize an [N, K] weight into out [N, K] fp32. */
 void plinth_dequant(int fmt, const void *w, float *out, int64_t N, int64_t K) {
     dequant_ctx c = {fmt, (const char *)w, out, K, K / QK, fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)};
