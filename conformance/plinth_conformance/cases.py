@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from plinth.platform.backend import AttentionSpec, Capabilities
+from plinth.quant import QUANT_BLOCKS
 from plinth_conformance import SUITE_VERSION
 
 #: What every backend must declare and pass (the core tier).
@@ -147,8 +148,43 @@ class GemmCase:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantCase:
+    """``x [M, K] @ dequantize(w).T (+ b)`` with ``w`` a ggml block-format weight (API 1.1).
+
+    ``skip`` is set for the placeholder case of a backend that declares no format (or one
+    :mod:`plinth.quant` does not define): it says why nothing quantized was checked.
+    """
+
+    fmt: str
+    dtype: str
+    m: int
+    k: int
+    n: int
+    bias: bool
+    layout: str  # "contiguous" or "x-strided" (x a view into a NaN-guarded buffer)
+    tier: str
+    skip: str | None = None
+
+    @property
+    def id(self) -> str:
+        """The pytest id, e.g. ``quant-q4_1-f32-17x576x197-bias``; ``quant-none-declared`` for the placeholder."""
+        if self.skip is not None:
+            return f"quant-{self.fmt}"
+        return (
+            f"quant-{self.fmt}-{_SHORT[self.dtype]}-{self.m}x{self.k}x{self.n}"
+            + ("-bias" if self.bias else "")
+            + ("" if self.layout == "contiguous" else f"-{self.layout}")
+        )
+
+    @property
+    def seed(self) -> int:
+        """See :func:`case_seed`."""
+        return case_seed(self.id)
+
+
+@dataclass(frozen=True, slots=True)
 class OpsCase:
-    """One SmallOps call (``rms_norm``, ``silu_and_mul``, ``rotary``) in one dtype."""
+    """One SmallOps call (``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary``) in one dtype."""
 
     op: str
     dtype: str
@@ -285,15 +321,60 @@ def gemm_cases(caps: Capabilities, default_dtype: str) -> list[GemmCase]:
     return _dedupe(cases)
 
 
+#: The SmallOps the suite checks (``add_rms_norm`` since plugin API 1.1).
+SMALL_OPS: tuple[str, ...] = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
+
+
 def ops_cases(caps: Capabilities, default_dtype: str = MANDATORY_DTYPE) -> list[OpsCase]:
     """Core: fp32; extended: every declared dtype. Rotary with full and partial rotary dims."""
     cases: list[OpsCase] = []
     for dtype in _dtypes(caps) or [MANDATORY_DTYPE]:
         tier = "core" if dtype == MANDATORY_DTYPE else "extended"
-        cases += [OpsCase(op, dtype, tier) for op in ("rms_norm", "silu_and_mul", "rotary")]
+        cases += [OpsCase(op, dtype, tier) for op in SMALL_OPS]
         cases.append(OpsCase("rotary", dtype, tier, rotary_dim=32))
     if MANDATORY_DTYPE not in caps.dtypes:
-        cases += [OpsCase(op, MANDATORY_DTYPE, "core") for op in ("rms_norm", "silu_and_mul", "rotary")]
+        cases += [OpsCase(op, MANDATORY_DTYPE, "core") for op in SMALL_OPS]
+    return _dedupe(cases)
+
+
+#: Quantized GEMM shapes (M, K, N, bias, layout): M 1 (decode), a few, and past 16 rows; K a
+#: multiple of 32 (SmolLM2's 576 and 1536, and 256); N never a multiple of 8; N = 2051 spans
+#: more than 2048 weight rows (where kernels that tile N start a second tile).
+QUANT_SHAPES: tuple[tuple[int, int, int, bool, str], ...] = (
+    (1, 256, 77, False, "contiguous"),
+    (3, 1536, 77, True, "contiguous"),
+    (5, 576, 197, False, "contiguous"),
+    (5, 256, 77, True, "x-strided"),
+    (17, 576, 197, True, "contiguous"),
+    (33, 256, 77, False, "contiguous"),
+    (33, 576, 2051, True, "contiguous"),
+)
+
+
+def quant_cases(caps: Capabilities, default_dtype: str) -> list[QuantCase]:
+    """Per declared block format: core one decode case in fp32 (and one in the default dtype; the
+    engine multiplies declared formats natively by default); extended the shape sweep in fp32 and
+    one case per other declared dtype. No declared format: one skipped placeholder saying so."""
+    f32 = MANDATORY_DTYPE
+    formats = sorted(caps.quant_formats)
+    if not formats:
+        why = "no quantized GEMM format declared (Capabilities.quant_formats is empty)"
+        return [QuantCase("none-declared", f32, 0, 0, 0, False, "contiguous", "extended", skip=why)]
+    cases: list[QuantCase] = []
+    for fmt in formats:
+        if fmt not in QUANT_BLOCKS:
+            why = (
+                f"declared format {fmt!r} is not one plinth.quant defines ({', '.join(sorted(QUANT_BLOCKS))}): "
+                "the core never hands such weights to the backend"
+            )
+            cases.append(QuantCase(f"{fmt}-unknown", f32, 0, 0, 0, False, "contiguous", "extended", skip=why))
+            continue
+        cases.append(QuantCase(fmt, f32, 1, 576, 197, True, "contiguous", "core"))
+        if default_dtype != f32 and default_dtype in KNOWN_DTYPES:
+            cases.append(QuantCase(fmt, default_dtype, 5, 576, 197, True, "contiguous", "core"))
+        cases += [QuantCase(fmt, f32, m, k, n, b, layout, "extended") for m, k, n, b, layout in QUANT_SHAPES]
+        others = [d for d in _dtypes(caps) if d != f32]
+        cases += [QuantCase(fmt, dtype, 5, 576, 197, True, "contiguous", "extended") for dtype in others]
     return _dedupe(cases)
 
 

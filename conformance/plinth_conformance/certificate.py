@@ -39,13 +39,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def load_average() -> list[float] | None:
+    """The host's 1, 5 and 15 minute load averages (perf numbers on a busy host read low), if known."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):  # not on this platform
+        return None
+
+
 def host_fingerprint() -> dict[str, Any]:
-    """CPU, core count, OS, Python and torch versions of the machine the suite ran on."""
+    """CPU, core count, load, OS, Python and torch versions of the machine the suite ran on."""
     import torch
 
     return {
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "load_average": load_average(),
         "torch_threads": torch.get_num_threads(),
         "os": platform.platform(),
         "machine": platform.machine(),
@@ -124,6 +133,25 @@ def _tolerance_summary(state: SuiteState) -> dict[str, Any]:
     return {"policy": POLICY.as_dict(), "by_dtype": by_dtype, "cases": cases}
 
 
+def _quantized_summary(state: SuiteState) -> dict[str, Any]:
+    """Per declared format: the bytes prepared weights hold per byte of GGUF blocks, the worst raw
+    relative error and the largest share of the activation-rounding allowance an element used."""
+    metrics = {t["case"]: t for t in state.tolerances}
+    by_format: dict[str, dict[str, Any]] = {}
+    for q in state.quantized:
+        empty = {"cases": 0, "prepared_per_block_byte": 0.0, "prepared_formats": []}
+        d = by_format.setdefault(q["format"], {**empty, "max_raw_rel": 0.0, "max_allowance_used": 0.0})
+        d["cases"] += 1
+        ratio = q["prepared_bytes"] / q["blocks_bytes"] if q["blocks_bytes"] else 0.0
+        d["prepared_per_block_byte"] = round(max(d["prepared_per_block_byte"], ratio), 3)
+        if q["prepared_format"] not in d["prepared_formats"]:
+            d["prepared_formats"].append(q["prepared_format"])
+        m = metrics.get(q["case"], {})
+        d["max_raw_rel"] = float(f"{max(d['max_raw_rel'], m.get('raw_rel', 0.0)):.3g}")
+        d["max_allowance_used"] = float(f"{max(d['max_allowance_used'], m.get('allowance_used', 0.0)):.3g}")
+    return {"by_format": by_format, "weights": state.quantized}
+
+
 def _command(state: SuiteState, keyword: str | None) -> str:
     """The ``plinth conformance`` command equivalent to this session (host paths left out)."""
     cmd = f"plinth conformance --backend {state.backend_name} --tier {state.tier_choice}"
@@ -177,6 +205,7 @@ def build_certificate(state: SuiteState, keyword: str | None = None) -> dict[str
         "host": host_fingerprint(),
         "tiers": tiers,
         "tolerances": _tolerance_summary(state),
+        "quantized": _quantized_summary(state),
         "perf": {"roofline": state.roofline, "kernels": state.perf},
         "failures": state.failures,
     }
@@ -193,7 +222,8 @@ def summary_markdown(cert: dict[str, Any]) -> str:
         f"{cert['plugin']['distribution']} {cert['plugin']['version']}",
         f"- device: {dev['name']} — verified on **{dev['verified_on']}**"
         + (f" ({', '.join(dev['interpreter_env'])})" if dev["interpreter_env"] else ""),
-        f"- host: {host['cpu_model']}, {host['cpu_count']} cores, {host['os']}, torch {host['torch']}",
+        f"- host: {host['cpu_model']}, {host['cpu_count']} cores, {host['os']}, torch {host['torch']}"
+        + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else ""),
         "",
         "| tier | status | passed | failed | skipped | seconds |",
         "|---|---|---|---|---|---|",
@@ -215,6 +245,23 @@ def summary_markdown(cert: dict[str, Any]) -> str:
         ]
         for dtype, d in tol["by_dtype"].items():
             lines.append(f"| {dtype} | {d['cases']} | {d['max_rel']:.2e} | {d['max_tol_rel']:.2e} |")
+    quant = (cert.get("quantized") or {}).get("by_format") or {}
+    if quant:
+        lines += [
+            "",
+            "Quantized GEMM: errors against the fp64 product with the dequantized weight, before the "
+            "int8 activation-rounding allowance, and the largest share of its allowance an element used "
+            "(gated: only error beyond it). Bytes the prepared weight holds per byte of GGUF blocks "
+            "(not gated; a dense fp32 copy holds 3.76 for q8_0, 6.4 for q4_1).",
+            "",
+            "| format | cases | worst raw relative error | allowance used | prepared / block bytes | prepared as |",
+            "|---|---|---|---|---|---|",
+        ]
+        for fmt, q in quant.items():
+            lines.append(
+                f"| {fmt} | {q['cases']} | {q['max_raw_rel']:.2e} | {q['max_allowance_used']:.0%} | "
+                f"{q['prepared_per_block_byte']:.2f} | {', '.join(q['prepared_formats'])} |"
+            )
     perf = cert["perf"]
     if perf["kernels"]:
         roof = perf["roofline"]

@@ -40,6 +40,7 @@ def _row(cert: dict[str, Any]) -> list[str]:
     if verified != "hardware":
         verified = f"**{verified}**"
     features = ", ".join(caps.get("features", [])) or "-"
+    quant = ", ".join(caps.get("quant_formats", [])) or "-"
     tiers = " / ".join(_MARK.get(cert["tiers"][t]["status"], "?") for t in TIERS)
     return [
         f"{cert['backend']['name']} {cert['backend']['version']}",
@@ -49,6 +50,7 @@ def _row(cert: dict[str, Any]) -> list[str]:
         str(caps.get("head_sizes", "")),
         ", ".join(map(str, caps.get("block_sizes", []))),
         features,
+        quant,
         tiers,
         f"{verified}: {host['cpu_model']}, torch {host['torch']}",
         f"{cert['suite_version']}, {cert['created'][:10]}",
@@ -65,6 +67,7 @@ def render_matrix(certs: list[dict[str, Any]]) -> str:
         "head sizes",
         "block sizes",
         "features",
+        "quantized GEMM",
         " / ".join(TIERS),
         "verified on",
         "suite, date",

@@ -49,6 +49,7 @@ class SuiteState:
     failures: list[dict[str, Any]] = field(default_factory=list)
     tolerances: list[dict[str, Any]] = field(default_factory=list)
     perf: list[dict[str, Any]] = field(default_factory=list)
+    quantized: list[dict[str, Any]] = field(default_factory=list)  # prepared-weight sizes per case
     roofline: dict[str, float] = field(default_factory=dict)
     exitstatus: int = 0
 
@@ -114,6 +115,7 @@ def _generators() -> dict[str, Callable[..., list[Any]]]:
         "attention_case": cases.attention_cases,
         "kv_write_case": cases.kv_write_cases,
         "gemm_case": cases.gemm_cases,
+        "quant_case": cases.quant_cases,
         "ops_case": cases.ops_cases,
         "undeclared_case": cases.undeclared_cases,
         "engine_case": cases.engine_cases,
@@ -289,6 +291,16 @@ def record_tolerance(plinth_state: SuiteState, request: pytest.FixtureRequest) -
 
     def record(case_id: str, dtype: str, verdict: Any) -> None:
         plinth_state.tolerances.append({"case": case_id, "dtype": dtype, **verdict.metrics})
+
+    return record
+
+
+@pytest.fixture
+def record_quantized(plinth_state: SuiteState) -> Callable[..., None]:
+    """``record_quantized(**fields)``: what a prepared quantized weight holds, for the certificate."""
+
+    def record(**fields: Any) -> None:
+        plinth_state.quantized.append(fields)
 
     return record
 

@@ -19,6 +19,10 @@ Three gates, each reported with its threshold:
 
 The scaled error of an element is ``|out - gold| / (|gold| + rms(gold))``: relative for large
 elements, absolute (in units of the output's typical size) for those near zero.
+
+An ``allowance`` (an absolute error per element that a documented approximation may cost, e.g. the
+int8 activation rounding of a quantized GEMM, see :mod:`.quantized`) is forgiven first: the gates
+then apply to ``max(|out - gold| - allowance, 0)``.
 """
 
 from __future__ import annotations
@@ -81,9 +85,15 @@ class Verdict:
         return f"[{case_id}] " + "; ".join(self.reasons)
 
 
-def _scaled_error(out: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
+def _excess(out: torch.Tensor, gold: torch.Tensor, allowance: torch.Tensor | None) -> torch.Tensor:
+    """``|out - gold|`` less the allowance, never below 0."""
+    err = (out - gold).abs()
+    return err if allowance is None else (err - allowance).clamp_min(0.0)
+
+
+def _scaled_error(out: torch.Tensor, gold: torch.Tensor, allowance: torch.Tensor | None = None) -> torch.Tensor:
     rms = gold.pow(2).mean().sqrt()
-    return (out - gold).abs() / (gold.abs() + rms + torch.finfo(torch.float64).tiny)
+    return _excess(out, gold, allowance) / (gold.abs() + rms + torch.finfo(torch.float64).tiny)
 
 
 def _quantile(x: torch.Tensor, q: float) -> float:
@@ -94,7 +104,13 @@ def _quantile(x: torch.Tensor, q: float) -> float:
 
 
 def compare(
-    out: torch.Tensor, gold: torch.Tensor, naive: torch.Tensor, reduction: int, policy: TolerancePolicy = POLICY
+    out: torch.Tensor,
+    gold: torch.Tensor,
+    naive: torch.Tensor,
+    reduction: int,
+    policy: TolerancePolicy = POLICY,
+    allowance: torch.Tensor | None = None,
+    allowance_name: str = "allowance",
 ) -> Verdict:
     """Gate ``out`` (any float dtype) against ``gold`` (fp64) with thresholds calibrated on ``naive``.
 
@@ -102,6 +118,8 @@ def compare(
     :param gold: the fp64 result from the same (rounded) inputs.
     :param naive: the naive same-dtype result (the reference kernel in ``out``'s dtype).
     :param reduction: the length of the longest sum behind one output element (K of a GEMM).
+    :param allowance: absolute error per element (fp64, ``gold``'s shape) forgiven before the gates.
+    :param allowance_name: what the allowance stands for, in failure messages.
     """
     reasons: list[str] = []
     if out.shape != gold.shape:
@@ -119,22 +137,25 @@ def compare(
             worst_index=first,
         )
     rel_floor, elem_floor, max_floor = policy.floors(out.dtype, reduction)
+    a = None if allowance is None else allowance.detach().to("cpu", torch.float64)
     g_norm = float(g.norm()) or 1.0
-    rel = float((o - g).norm()) / g_norm
+    rel = float(_excess(o, g, a).norm()) / g_norm
     naive_rel = float((n - g).norm()) / g_norm
-    err = _scaled_error(o, g)
+    err = _scaled_error(o, g, a)
     naive_err = _scaled_error(n, g)
     tol_rel = max(rel_floor, policy.factor * naive_rel)
     tol_elem = max(elem_floor, policy.factor * _quantile(naive_err, policy.elem_quantile))
     tol_max = max(max_floor, policy.factor * float(naive_err.max()))
     pass_rate = float((err <= tol_elem).double().mean())
     max_err = float(err.max())
+    beyond = "" if a is None else f" beyond the {allowance_name}"
     if rel > tol_rel:
-        reasons.append(f"relative error {rel:.3g} > {tol_rel:.3g} (naive {out.dtype}: {naive_rel:.3g})")
+        reasons.append(f"relative error{beyond} {rel:.3g} > {tol_rel:.3g} (naive {out.dtype}: {naive_rel:.3g})")
     if pass_rate < policy.min_pass_rate:
-        reasons.append(f"only {pass_rate:.2%} of elements within {tol_elem:.3g} (need {policy.min_pass_rate:.0%})")
+        need = f"need {policy.min_pass_rate:.0%}"
+        reasons.append(f"only {pass_rate:.2%} of elements within {tol_elem:.3g}{beyond} ({need})")
     if max_err > tol_max:
-        reasons.append(f"max scaled error {max_err:.3g} > {tol_max:.3g}")
+        reasons.append(f"max scaled error{beyond} {max_err:.3g} > {tol_max:.3g}")
     metrics = {
         "rel": rel,
         "tol_rel": tol_rel,
@@ -144,6 +165,12 @@ def compare(
         "max_err": max_err,
         "tol_max": tol_max,
     }
+    if a is not None:
+        raw = (o - g).abs()
+        metrics["raw_rel"] = float(raw.norm()) / g_norm  # before the allowance
+        metrics["allowance_rel"] = float(a.norm()) / g_norm
+        # the largest share of its allowance an element used (0: exact; above 1: beyond it)
+        metrics["allowance_used"] = float((raw / a.clamp_min(torch.finfo(torch.float64).tiny)).max())
     return Verdict(not reasons, reasons, metrics, worst_index=int(err.flatten().argmax()))
 
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from plinth.hookspecs import hookimpl
 from plinth.platform.backend import (
@@ -23,8 +24,10 @@ from plinth.platform.backend import (
     KVCacheLayout,
     LinearWeight,
     NotSupported,
+    SmallOps,
 )
 from plinth.platform.reference import ReferenceAttention, ReferenceBackend, ReferenceGemm
+from plinth.quant import QUANT_BLOCKS, QuantizedWeight, dequantize_blocks
 
 
 def _full_block_attention(
@@ -85,6 +88,67 @@ class _DropsKTail(ReferenceGemm):
         k = x.shape[1] // 64 * 64  # the bug: a 64-wide K loop without the remainder
         out = torch.matmul(x[:, :k], weight.weight[:, :k].t())
         return out if weight.bias is None else out + weight.bias
+
+
+class _BlockGemm(ReferenceGemm):
+    """Keeps q4_1/q8_0 blocks as they are; ``linear`` decodes them with ``values`` and multiplies
+    ``activations(x)`` in fp32. As is, a correct (if slow) native-format GEMM."""
+
+    def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
+        b = None if bias is None else bias.to(self.dtype)
+        return LinearWeight(weight.out_features, weight.in_features, None, b, weight.format, {"blocks": weight.blocks})
+
+    def values(self, fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks [n_blocks, bytes] -> fp32 weights [n_blocks, 32]."""
+        return dequantize_blocks(fmt, blocks)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """What the kernel multiplies in place of ``x`` (fp32)."""
+        return x.float()
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        if weight.format == "dense":
+            return super().linear(x, weight)
+        _, nbytes = QUANT_BLOCKS[weight.format]
+        w = self.values(weight.format, weight.data["blocks"].reshape(-1, nbytes))
+        w = w.reshape(weight.out_features, weight.in_features)
+        bias = None if weight.bias is None else weight.bias.float()
+        return F.linear(self.activations(x), w, bias).to(x.dtype)
+
+
+class _RoundsActivations(_BlockGemm):
+    """Correct: activations rounded to int8 per 32-block with scale amax / 127, as llama.cpp does."""
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        xb = x.float().reshape(m, k // 32, 32)
+        d = xb.abs().amax(-1, keepdim=True) / 127.0
+        q = torch.where(d > 0, xb / d, torch.zeros_like(xb)).round()
+        return (q * d).reshape(m, k)
+
+
+class _IgnoresQ41Min(_BlockGemm):
+    def values(self, fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+        if fmt != "q4_1":
+            return super().values(fmt, blocks)
+        qs = blocks[:, 4:]
+        d = blocks[:, :2].contiguous().view(torch.float16).float()
+        return d * torch.cat((qs & 0x0F, qs >> 4), dim=1).float()  # the bug: "+ m" forgotten
+
+
+class _SwapsNibbles(_BlockGemm):
+    def values(self, fmt: str, blocks: torch.Tensor) -> torch.Tensor:
+        if fmt != "q4_1":
+            return super().values(fmt, blocks)
+        swapped = blocks.clone()
+        swapped[:, 4:] = (blocks[:, 4:] >> 4) | (blocks[:, 4:] << 4)  # the bug: high nibbles read as weights 0-15
+        return super().values(fmt, swapped)
+
+
+class _StaleResidualOps(SmallOps):
+    def add_rms_norm(self, x, residual, weight, eps):  # noqa: ANN001, ANN201
+        s = x + residual
+        return self.rms_norm(s, weight, eps), residual  # the bug: the old residual returned as the sum
 
 
 class _Broken(ReferenceBackend):
@@ -176,6 +240,48 @@ class AcceptsAnythingBackend(_Broken):
         return ReferenceGemm({"float64": torch.float64}.get(dtype, torch.float32))
 
 
+class _Quantized(_Broken):
+    """Declares q4_1 and q8_0 (plugin API 1.1) on top of the fp32 profile."""
+
+    api_version = (1, 1)
+
+    def declare(self) -> Capabilities:
+        return Capabilities(**{**_fields(super().declare()), "quant_formats": frozenset({"q4_1", "q8_0"})})
+
+
+class QuantOkBackend(_Quantized):
+    """Correct: keeps the blocks, dequantizes them in ``linear`` and multiplies with F.linear."""
+
+    name = "quant_ok"
+    gemm_cls = _BlockGemm
+
+
+class QuantRoundsActivationsBackend(_Quantized):
+    """Correct: rounds activations to int8 per 32-block like llama.cpp (inside the allowance)."""
+
+    name = "quant_rounds_activations"
+    gemm_cls = _RoundsActivations
+
+
+class QuantIgnoresMinBackend(_Quantized):
+    name = "broken_q4_1_min"
+    gemm_cls = _IgnoresQ41Min
+
+
+class QuantSwapsNibblesBackend(_Quantized):
+    name = "broken_nibble_order"
+    gemm_cls = _SwapsNibbles
+
+
+class StaleResidualBackend(_Broken):
+    """``add_rms_norm`` normalises the right sum but returns the old residual as the sum."""
+
+    name = "broken_stale_residual"
+
+    def small_ops(self) -> SmallOps:
+        return _StaleResidualOps()
+
+
 class DeclaresNothingBackend(_Broken):
     """Declares no capability at all: the mandatory profile must make it fail."""
 
@@ -211,6 +317,11 @@ BROKEN: dict[str, type[_Broken]] = {
         Raises80Backend,
         AcceptsAnythingBackend,
         DeclaresNothingBackend,
+        QuantOkBackend,
+        QuantRoundsActivationsBackend,
+        QuantIgnoresMinBackend,
+        QuantSwapsNibblesBackend,
+        StaleResidualBackend,
     )
 }
 PLUGINS = {name: _Plugin(cls) for name, cls in BROKEN.items()}
@@ -222,3 +333,8 @@ lies_80 = PLUGINS["broken_lies_80"]
 raises_80 = PLUGINS["broken_raises_80"]
 accepts_anything = PLUGINS["broken_accepts_anything"]
 declares_nothing = PLUGINS["broken_declares_nothing"]
+quant_ok = PLUGINS["quant_ok"]
+quant_rounds_activations = PLUGINS["quant_rounds_activations"]
+q4_1_min = PLUGINS["broken_q4_1_min"]
+nibble_order = PLUGINS["broken_nibble_order"]
+stale_residual = PLUGINS["broken_stale_residual"]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from plinth.platform.backend import Capabilities
+from plinth_conformance.cases import quant_cases
 from plinth_conformance.cli import suite_args
 
 pytest_plugins = ["pytester"]
@@ -36,8 +38,13 @@ def _write_dist(root: Path) -> None:
         "raises_80",
         "accepts_anything",
         "declares_nothing",
+        "q4_1_min",
+        "nibble_order",
+        "stale_residual",
     ]
-    lines = "\n".join(f"broken_{n} = {MODULE}:{n}" for n in names)
+    entries = [f"broken_{n} = {MODULE}:{n}" for n in names]
+    entries += [f"{n} = {MODULE}:{n}" for n in ("quant_ok", "quant_rounds_activations")]  # correct ones
+    lines = "\n".join(entries)
     (info / "entry_points.txt").write_text(f"[plinth.backends]\n{lines}\n")
 
 
@@ -147,6 +154,52 @@ def test_declaring_nothing_fails_the_mandatory_profile(pytester: pytest.Pytester
     assert "the mandatory core profile needs this case" in failed["attn-f32-h64-bs16-g1x2-mixed"]
     assert "mandatory core profile needs GEMM in float32" in failed["gemm-f32-1x576x576-bias"]
     assert result.ret != 0
+
+
+#: What the quantized test backends declare: the fp32 profile plus q4_1 and q8_0.
+F32 = frozenset({"float32"})
+QUANT_CAPS = Capabilities(F32, F32, frozenset({64, 128}), (16,), quant_formats=frozenset({"q4_1", "q8_0"}))
+
+
+def _quant_ids(fmt: str) -> set[str]:
+    return {c.id for c in quant_cases(QUANT_CAPS, "float32") if c.fmt == fmt}
+
+
+@pytest.mark.parametrize("backend", ["broken_q4_1_min", "broken_nibble_order"])
+def test_quantized_gemm_decoding_q4_1_wrong_fails_every_q4_1_case(
+    pytester: pytest.Pytester, broken_site: Path, backend: str
+) -> None:
+    """Forgetting the q4_1 minimum, or reading the nibbles in the wrong order, is far beyond the
+    activation-rounding allowance; the q8_0 cases of the same kernel pass."""
+    result = _run(pytester, backend, "extended", "quant")
+    failed = _failures(result)
+    assert len(_quant_ids("q4_1")) == 8 and set(failed) == _quant_ids("q4_1"), failed
+    for case, message in failed.items():
+        assert f"[{case}] relative error beyond the int8 activation-rounding allowance" in message, message
+    result.stdout.fnmatch_lines(["*worst at row * (M=*, K=*, N=*, q4_1)*"])
+    result.assert_outcomes(failed=8, passed=8)
+
+
+@pytest.mark.parametrize("backend", ["quant_ok", "quant_rounds_activations"])
+def test_correct_quantized_gemms_pass_with_or_without_activation_rounding(
+    pytester: pytest.Pytester, broken_site: Path, backend: str
+) -> None:
+    """Dequantize + F.linear passes; so does llama.cpp's int8 rounding of activations."""
+    result = _run(pytester, backend, "extended", "quant")
+    assert result.ret == 0, "\n".join(result.outlines[-40:])
+    result.assert_outcomes(passed=len(_quant_ids("q4_1") | _quant_ids("q8_0")))
+
+
+def test_no_declared_quantized_format_skips_with_the_reason(pytester: pytest.Pytester, broken_site: Path) -> None:
+    result = pytester.runpytest(*suite_args("broken_k_tail", "extended", keyword="quant", extra=["-rs"]))
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*SKIPPED*no quantized GEMM format declared*"])
+
+
+def test_add_rms_norm_returning_a_stale_residual_fails(pytester: pytest.Pytester, broken_site: Path) -> None:
+    failed = _failures(_run(pytester, "broken_stale_residual", "core", "ops"))
+    assert set(failed) == {"ops-add_rms_norm-f32"}, failed  # rms_norm, silu_and_mul, rotary still pass
+    assert "[ops-add_rms_norm-f32:sum] relative error" in failed["ops-add_rms_norm-f32"]
 
 
 def test_cli_exits_nonzero_and_the_printed_command_reruns_one_case(

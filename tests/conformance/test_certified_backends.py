@@ -30,7 +30,10 @@ def test_cpu_backend_passes_core_and_extended(pytester: pytest.Pytester, tmp_pat
     assert cert["tiers"]["perf"]["status"] == "not run"
     assert cert["backend"]["name"] == "cpu" and cert["plugin"]["distribution"] == "plinth-cpu"
     assert cert["device"]["verified_on"] == "hardware" and cert["device"]["emulation"] is False
-    assert cert["host"]["torch"] and cert["host"]["cpu_model"]
+    assert cert["host"]["torch"] and cert["host"]["cpu_model"] and len(cert["host"]["load_average"]) == 3
+    quantized = cert["quantized"]["by_format"]
+    assert set(quantized) == set(cert["capabilities"]["quant_formats"])  # q4_1 and q8_0 with native kernels
+    assert all(q["max_allowance_used"] <= 1.0 for q in quantized.values())
     assert {"float32", "bfloat16"} <= set(cert["tolerances"]["by_dtype"])
     junit = ET.parse(tmp_path / "junit.xml").getroot()
     suite = junit if junit.tag == "testsuite" else junit[0]

@@ -11,9 +11,11 @@ import torch
 from plinth.cli import main
 from plinth.platform.backend import AttentionSpec, Capabilities
 from plinth.platform.reference import ReferenceBackend
-from plinth_conformance.cases import attention_cases, case_seed, gemm_cases, undeclared_cases
+from plinth.quant import dequantize
+from plinth_conformance.cases import attention_cases, case_seed, gemm_cases, ops_cases, quant_cases, undeclared_cases
 from plinth_conformance.matrix import render_matrix
 from plinth_conformance.paged import build_batch, golden_attention
+from plinth_conformance.quantized import activation_rounding_allowance, random_activations, random_weight
 from plinth_conformance.tolerance import bits, compare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +65,53 @@ def test_every_declared_axis_is_swept_in_extended() -> None:
     assert any("-sw" in i for i in ids) and any("-cap" in i for i in ids)
     undeclared = {c.id for c in undeclared_cases(caps, "float32")}
     assert "undeclared-head-size-513" in undeclared and "undeclared-dtype-bf16" in undeclared
+
+
+def test_quantized_cases_follow_the_declared_formats() -> None:
+    f32 = frozenset({"float32", "bfloat16"})
+    caps = Capabilities(f32, f32, frozenset({64, 128}), (16,), quant_formats=frozenset({"q4_1", "q8_0", "q5_k"}))
+    cases = quant_cases(caps, "float32")
+    real = [c for c in cases if c.skip is None]
+    assert {c.fmt for c in real} == {"q4_1", "q8_0"}
+    assert [c.id for c in cases if c.skip] == ["quant-q5_k-unknown"]  # listed and skipped, with the reason
+    core = {c.id for c in real if c.tier == "core"}
+    assert core == {"quant-q4_1-f32-1x576x197-bias", "quant-q8_0-f32-1x576x197-bias"}
+    assert {c.m for c in real} >= {1, 5, 17, 33} and all(c.k % 32 == 0 and c.n % 8 for c in real)
+    assert {c.bias for c in real} == {True, False} and "quant-q4_1-bf16-5x576x197-bias" in {c.id for c in real}
+    (none,) = quant_cases(NOTHING, "float32")
+    assert none.id == "quant-none-declared" and "no quantized GEMM format declared" in (none.skip or "")
+    assert "ops-add_rms_norm-f32" in {c.id for c in ops_cases(NOTHING) if c.tier == "core"}
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_random_blocks_are_finite_and_use_the_whole_format(fmt: str) -> None:
+    w = random_weight(fmt, 7, 64, torch.Generator().manual_seed(1))
+    values = dequantize(w)
+    assert values.isfinite().all() and values.abs().max() > 0
+    if fmt == "q4_1":
+        d = w.blocks.reshape(-1, 20)[:, :2].contiguous().view(torch.float16).float()
+        m = w.blocks.reshape(-1, 20)[:, 2:4].contiguous().view(torch.float16).float()
+        q = (values.reshape(-1, 32) - m) / d
+        assert (d > 0).all() and (m < 0).any() and (m > 0).any()
+        assert torch.allclose(q, q.round(), atol=1e-3) and q.round().min() == 0 and q.round().max() == 15
+
+
+@pytest.mark.parametrize("levels, passes", [(127, True), (15, False), (7, False)])
+def test_the_allowance_admits_int8_activation_rounding_and_not_coarser(levels: int, passes: bool) -> None:
+    """llama.cpp's int8-per-32 rounding (127 levels) stays inside; 4- and 5-bit rounding does not."""
+    gen = torch.Generator().manual_seed(2)
+    w = dequantize(random_weight("q4_1", 77, 576, gen))
+    x = random_activations(17, 576, torch.float32, gen)
+    xb = x.reshape(17, -1, 32)
+    step = xb.abs().amax(-1, keepdim=True) / levels
+    rounded = (torch.where(step > 0, xb / step, torch.zeros_like(xb)).round() * step).reshape(17, 576)
+    gold = x.double() @ w.double().t()
+    allowance = activation_rounding_allowance(x, w)
+    verdict = compare(rounded @ w.t(), gold, x @ w.t(), 576, allowance=allowance, allowance_name="rounding allowance")
+    assert verdict.ok is passes, verdict.metrics
+    assert compare(x @ w.t(), gold, x @ w.t(), 576, allowance=allowance).metrics["allowance_used"] < 1e-3
+    if not passes:
+        assert "beyond the rounding allowance" in verdict.message("c")
 
 
 def test_unused_pages_and_padded_table_entries_hold_nan() -> None:

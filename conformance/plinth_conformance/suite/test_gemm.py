@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import pytest
 import torch
 
 from plinth.platform.backend import Backend, torch_dtype
@@ -69,12 +68,3 @@ def test_gemm(plinth_backend: Backend, gemm_case: GemmCase, record_tolerance: Ca
         row, col = divmod(verdict.worst_index, case.n)
         where = f"; worst at row {row}, column {col} (M={case.m}, K={case.k}, N={case.n})"
     assert verdict.ok, verdict.message(case.id) + where
-
-
-@pytest.mark.plinth_tier("extended")
-def test_quantized_formats(plinth_backend: Backend) -> None:
-    """Declared quantized formats: plugin API 1.0 defines none, so a declared one cannot be checked."""
-    formats = sorted(plinth_backend.capabilities().quant_formats)
-    if not formats:
-        pytest.skip("no quantized GEMM format declared")
-    pytest.skip(f"declared quantized formats {formats}: plugin API 1.0 defines no reference for them yet")

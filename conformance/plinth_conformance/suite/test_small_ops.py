@@ -1,7 +1,10 @@
-"""SmallOps (rms_norm, silu_and_mul, rotary) against the plain-torch defaults in fp64.
+"""SmallOps (rms_norm, add_rms_norm, silu_and_mul, rotary) against the plain-torch defaults in fp64.
 
 Shapes are SmolLM2's: hidden 576, intermediate 1536, 9 heads of 64. The ops must not modify
-their inputs (a rotary applied in place would corrupt the query a caller still holds).
+their inputs (a rotary applied in place would corrupt the query a caller still holds), with one
+documented exception: ``add_rms_norm`` (API 1.1) may overwrite ``residual`` with the sum it
+returns. The suite requires neither behaviour, only that ``residual`` afterwards holds either its
+old bits or exactly the returned sum.
 """
 
 from __future__ import annotations
@@ -55,12 +58,45 @@ def _run(case: OpsCase, gen: torch.Generator) -> tuple[Callable[[SmallOps, bool]
     return rotary, [x, positions, table]
 
 
+def _check_add_rms_norm(
+    case: OpsCase, ops: SmallOps, gen: torch.Generator, record_tolerance: Callable[..., None]
+) -> None:
+    """``(rms_norm(x + residual), x + residual)``; x and weight untouched, residual old or the sum."""
+    dtype = torch_dtype(case.dtype)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dtype)
+    residual = (4 * torch.randn(TOKENS, HIDDEN, generator=gen)).to(dtype)  # the stream dominates, as in a model
+    w = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
+    res_in = residual.clone()  # the call may overwrite it
+    x_bits, w_bits, res_bits = bits(x).clone(), bits(w).clone(), bits(res_in).clone()
+    with kernel_call(case.id, "add_rms_norm()"):
+        result = ops.add_rms_norm(x, res_in, w, 1e-5)
+    assert isinstance(result, tuple) and len(result) == 2, f"[{case.id}] add_rms_norm() must return (normed, sum)"
+    normed, total = result
+    assert torch.equal(bits(x), x_bits) and torch.equal(bits(w), w_bits), (
+        f"[{case.id}] add_rms_norm() modified x or the weight"
+    )
+    assert torch.equal(bits(res_in), res_bits) or torch.equal(bits(res_in), bits(total)), (
+        f"[{case.id}] add_rms_norm() left residual neither unchanged nor equal to the sum it returned"
+    )
+    default = SmallOps()
+    gold_norm, gold_sum = default.add_rms_norm(x.double(), residual.double(), w.double(), 1e-5)
+    naive_norm, naive_sum = default.add_rms_norm(x, residual.clone(), w, 1e-5)
+    for what, out, gold, naive in (("sum", total, gold_sum, naive_sum), ("norm", normed, gold_norm, naive_norm)):
+        assert out.dtype == dtype, f"[{case.id}] the {what} is {out.dtype}, expected {dtype}"
+        verdict = compare(out.cpu(), gold, naive, HIDDEN if what == "norm" else 1)
+        record_tolerance(f"{case.id}:{what}", case.dtype, verdict)
+        assert verdict.ok, verdict.message(f"{case.id}:{what}")
+
+
 def test_small_ops(plinth_backend: Backend, ops_case: OpsCase, record_tolerance: Callable[..., None]) -> None:
     """The backend's op matches the default op computed in fp64 from the same rounded inputs."""
     case = ops_case
     gen = torch.Generator().manual_seed(case.seed)
     with kernel_call(case.id, "small_ops()"):
         ops = plinth_backend.small_ops()
+    if case.op == "add_rms_norm":
+        _check_add_rms_norm(case, ops, gen, record_tolerance)
+        return
     fn, inputs = _run(case, gen)
     before = [bits(t).clone() for t in inputs]
     with kernel_call(case.id, f"{case.op}()"):
