@@ -134,7 +134,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     version = "0.1.0"
-    api_version = (1, 0)
+    api_version = (1, 1)
     description = "plain-torch oracle: slow, obviously correct"
 
     def __init__(self) -> None:

@@ -75,7 +75,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     version = __version__
-    api_version = (1, 0)
+    api_version = (1, 1)
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:

@@ -7,14 +7,19 @@ through ``F.linear``, whose oneDNN/MKL GEMM wins once the product is compute-bou
 ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
 pre-transposed.
 
-Quantized weights keep their GGUF blocks (never dequantized at load). Activations are rounded to
-int8 per 32-block (like llama.cpp) on both paths, so a sequence's logits do not depend on how many
-others share its step. Few rows: the native kernel takes integer dot products. Many rows: each
-group of 3 weight rows is dequantized into a cache-resident buffer and multiplied by the rounded
-activations with the fp32 register tiles; the dequantization is then a small share of the work.
+Quantized weights keep their GGUF blocks (never dequantized at load). Few rows: the native kernel
+unpacks each block in registers and multiplies it with the fp32 activations, so the result is the
+dequantized weight's product up to fp32 rounding. Many rows: each group of 3 weight rows is
+dequantized into a cache-resident buffer and multiplied with the fp32 register tiles; the
+dequantization is then a small share of the work. ``PLINTH_CPU_ACTIVATIONS=int8`` rounds
+activations to int8 per 32-block first on both paths, as llama.cpp does: integer dot products,
+about twice as fast at batch 1, logits off by the rounding (measured up to 0.3 nats on
+SmolLM2-135M, enough to flip near-tied greedy choices).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +32,27 @@ from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 #: SmolLM2 shapes): 1.1-3x F.linear up to 64 rows with one thread, about even at 64, 0.7-0.85x at
 #: 256; with two threads on a busy machine F.linear's OpenMP barriers stall and native is 2-20x.
 NATIVE_DENSE_MAX_ROWS = 64
-#: Quantized products with at most this many rows use the native int8 kernel.
+#: Activation handling for quantized weights: "fp32" (default) or "int8" (llama.cpp's rounding).
+ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
+
+#: Quantized products with at most this many rows use the per-block kernel.
 NATIVE_QUANT_MAX_ROWS = 16
 
 
 class CpuGemm(GemmKernels):
     """``x @ w.T + b`` in one compute dtype; ``native`` kernels where available (else torch only)."""
 
-    def __init__(self, dtype: torch.dtype, native: NativeKernels | None = None) -> None:
+    def __init__(
+        self, dtype: torch.dtype, native: NativeKernels | None = None, int8_activations: bool | None = None
+    ) -> None:
         self.dtype = dtype
         self.native = native
+        if int8_activations is None:
+            mode = os.environ.get(ACTIVATIONS_ENV, "fp32")
+            if mode not in ("fp32", "int8"):
+                raise ValueError(f"{ACTIVATIONS_ENV}={mode!r}: expected 'fp32' or 'int8'")
+            int8_activations = mode == "int8"
+        self.int8_activations = int8_activations
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
         """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous, on the CPU."""
@@ -85,7 +101,9 @@ class CpuGemm(GemmKernels):
         blocks = weight.data["blocks"]
         n = weight.out_features
         if x.shape[0] <= NATIVE_QUANT_MAX_ROWS:
-            y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n)
-        else:  # the same activation rounding as the few-row path, then fp32 tiles on dequantized rows
-            y = native.gemm_dequant(weight.format, native.round_trip_q8(xf), blocks, weight.bias, n)
+            y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n, int8=self.int8_activations)
+        else:  # the same activations as the few-row path, fp32 tiles on dequantized rows
+            if self.int8_activations:
+                xf = native.round_trip_q8(xf)
+            y = native.gemm_dequant(weight.format, xf, blocks, weight.bias, n)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

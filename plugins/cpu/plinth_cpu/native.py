@@ -30,7 +30,7 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
@@ -41,8 +41,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "plinth_get_num_threads": (c_int, []),
     "plinth_read_probe": (None, [c_void_p, c_void_p, c_int64]),
     "plinth_gemm_f32": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
-    "plinth_gemm_q4_1": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
-    "plinth_gemm_q8_0": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
+    "plinth_gemm_quant": (c_int, [c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
     "plinth_dequant": (None, [c_int, c_void_p, c_void_p, c_int64, c_int64]),
     "plinth_round_trip_q8": (None, [c_void_p, c_void_p, c_int64, c_int64]),
     "plinth_gemm_dequant": (c_int, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
@@ -150,13 +149,19 @@ class NativeKernels:
         return y
 
     def gemm_quant(
-        self, fmt: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int
+        self, fmt: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int, int8: bool = False
     ) -> torch.Tensor:
-        """``x`` [M, K] @ dequant(``blocks``)^T for a ggml ``fmt`` weight of ``n`` rows."""
+        """``x`` [M, K] @ dequant(``blocks``)^T for a ggml ``fmt`` weight of ``n`` rows (few rows M).
+
+        fp32 activations by default; ``int8`` rounds them to int8 per 32-block first (llama.cpp's
+        scheme: integer dot products, about twice the speed, logits off by the rounding)."""
         M, K = x.shape
         y = torch.empty(M, n, dtype=torch.float32)
-        fn = self.lib.plinth_gemm_q4_1 if fmt == "q4_1" else self.lib.plinth_gemm_q8_0
-        if fn(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, n, K):
+        code = QUANT_FORMATS[fmt][0]
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if self.lib.plinth_gemm_quant(
+            code, int(int8), x.data_ptr(), blocks.data_ptr(), bias_ptr, y.data_ptr(), M, n, K
+        ):
             raise MemoryError(f"no memory to quantize {M} x {K} activations")
         return y
 

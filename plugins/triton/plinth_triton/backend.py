@@ -78,7 +78,7 @@ class InterpreterServices(DeviceServices):
 class TritonBackend(Backend):
     """Base of the Triton-kernel backends. Subclasses set ``name``, ``vendor``, ``communicator``."""
 
-    api_version = (1, 0)
+    api_version = (1, 1)
     #: Human name of the platform, for reasons ("CUDA", "ROCm").
     vendor: ClassVar[str]
     #: Collective library for tensor parallelism ("nccl", "rccl"); the core does not use it yet.
@@ -136,7 +136,9 @@ class TritonBackend(Backend):
             block_sizes=(16, 32, 64),
             max_gqa_ratio=None,
             features=frozenset(features),
-            quant_formats=frozenset({"int8", "int4"}),
+            # no ggml block format (plinth.quant) yet: the GEMM's int8/int4 weight-only formats
+            # are its own, made by plinth_triton.quant.quantize, not by the core's loader
+            quant_formats=frozenset(),
             kv_cache_layout=KVCacheLayout(),
         )
 

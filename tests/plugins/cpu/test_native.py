@@ -79,27 +79,39 @@ def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int
 
 
 @needs_native
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32_act", "int8_act"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3])
-def test_quantized_linear_within_activation_rounding(nk: NativeKernels, threads: int, fmt: str, m: int) -> None:
-    """Int8 activations on both paths (few rows: integer dots; many: dequantized tiles), error within
-    the activation-rounding bound, and a row's result independent of the batch size."""
+def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, int8: bool) -> None:
+    """fp32 activations: the dequantized weight's product. int8 activations: within the rounding
+    bound. Either way on both paths (few rows: per-block kernel; many: dequantized rows), and a
+    row's result does not depend on the batch size."""
     gen = torch.Generator().manual_seed(7)
     n, k = 40, 128
     qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
     w = dequantize(qw)
     b = torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen)
-    gemm = CpuGemm(torch.float32, nk)
+    gemm = CpuGemm(torch.float32, nk, int8_activations=int8)
     prepared = gemm.prepare_quantized(qw, b)
     assert prepared.format == fmt and prepared.weight is None  # never dequantized at load
     y = gemm.linear(x, prepared)
     ref = F.linear(x.double(), w.double(), b.double()).float()
-    assert ((y - ref).abs() <= _activation_error_bound(x, w)).all()
-    assert (y - ref).abs().max() > 1e-4  # really int8 activations, not a dequantized fp32 product
-    # both paths multiply the same rounded activations: rows agree whatever the batch size
+    if int8:
+        assert ((y - ref).abs() <= _activation_error_bound(x, w)).all()
+        assert (y - ref).abs().max() > 1e-4  # really rounded activations
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
     row = gemm.linear(x[:1], prepared)
     torch.testing.assert_close(y[:1], row, rtol=1e-5, atol=1e-5)
+
+
+def test_activation_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "int8")
+    assert CpuGemm(torch.float32).int8_activations
+    monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "fp16")
+    with pytest.raises(ValueError, match="PLINTH_CPU_ACTIVATIONS='fp16'"):
+        CpuGemm(torch.float32)
 
 
 @needs_native

@@ -61,7 +61,7 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-int plinth_abi_version(void) { return 2; }
+int plinth_abi_version(void) { return 3; }
 
 /* ---------------------------------------------------------------------------------------------
  * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
@@ -353,9 +353,48 @@ static float row_dot_q8_0(const block_q8_0 *w, const block_q8_x *x, int64_t nb) 
     return hsum256(acc);
 }
 
+/* fp32 activations: the exact product with the dequantized weight (up to fp32 rounding).
+ * q4_1: sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j, with sum_j x_j per block given. */
+static inline __m256 q4_dot_f32(__m128i packed, const float *xb) {
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xb));
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xb + 8), t);
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xb + 16), t);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(xb + 24), t);
+}
+
+static float row_dot_q4_1_f32(const block_q4_1 *w, const float *x, const float *xsum, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float summs = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 t = q4_dot_f32(_mm_loadu_si128((const __m128i *)w[b].qs), x + b * QK);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d)), t, acc);
+        summs += fp16_to_f32(w[b].m) * xsum[b];
+    }
+    return hsum256(acc) + summs;
+}
+
+static float row_dot_q8_0_f32(const block_q8_0 *w, const float *x, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *q = w[b].q;
+        const float *xb = x + b * QK;
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))),
+                                 _mm256_loadu_ps(xb));
+        for (int j = 8; j < QK; j += 8)
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)))),
+                                _mm256_loadu_ps(xb + j), t);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d)), t, acc);
+    }
+    return hsum256(acc);
+}
+
 typedef struct {
     int fmt; /* 0: q4_1, 1: q8_0 */
+    int int8_act;
     const float *x;
+    float *xsum; /* fp32 path: [M, nb] block sums of x */
     block_q8_x *xq;
     const char *w;
     const float *bias;
@@ -366,34 +405,51 @@ typedef struct {
 
 static void quantize_range(void *p, int64_t begin, int64_t end) {
     qgemm_ctx *c = (qgemm_ctx *)p;
-    for (int64_t i = begin; i < end; i++) quantize_block_q8x(c->x + i * QK, c->xq + i);
+    for (int64_t i = begin; i < end; i++) {
+        if (c->int8_act) {
+            quantize_block_q8x(c->x + i * QK, c->xq + i);
+        } else {
+            __m256 s = _mm256_loadu_ps(c->x + i * QK);
+            for (int j = 8; j < QK; j += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(c->x + i * QK + j));
+            c->xsum[i] = hsum256(s);
+        }
+    }
 }
 
 /* items are weight rows */
 static void qgemm_range(void *p, int64_t begin, int64_t end) {
     qgemm_ctx *c = (qgemm_ctx *)p;
     for (int64_t m = 0; m < c->M; m++) {
-        const block_q8_x *xr = c->xq + m * c->nb;
         for (int64_t n = begin; n < end; n++) {
             const void *wr = c->w + (size_t)n * c->row_bytes;
-            float v = c->fmt == 0 ? row_dot_q4_1((const block_q4_1 *)wr, xr, c->nb)
-                                  : row_dot_q8_0((const block_q8_0 *)wr, xr, c->nb);
+            float v;
+            if (c->int8_act) {
+                const block_q8_x *xr = c->xq + m * c->nb;
+                v = c->fmt == 0 ? row_dot_q4_1((const block_q4_1 *)wr, xr, c->nb)
+                                : row_dot_q8_0((const block_q8_0 *)wr, xr, c->nb);
+            } else {
+                const float *xr = c->x + m * c->K;
+                v = c->fmt == 0 ? row_dot_q4_1_f32((const block_q4_1 *)wr, xr, c->xsum + m * c->nb, c->nb)
+                                : row_dot_q8_0_f32((const block_q8_0 *)wr, xr, c->nb);
+            }
             c->y[m * c->N + n] = v + (c->bias ? c->bias[n] : 0.0f);
         }
     }
 }
 
-/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b; returns 0, or -1 when out of memory. */
-static int gemm_quant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N,
-                      int64_t K) {
+/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b for few rows M, with fp32 activations or (int8_act)
+ * activations rounded to int8 per 32-block. Returns 0, or -1 when out of memory. */
+int plinth_gemm_quant(int fmt, int int8_act, const float *x, const void *w, const float *bias, float *y, int64_t M,
+                      int64_t N, int64_t K) {
     int64_t nb = K / QK;
-    block_q8_x *xq = (block_q8_x *)malloc(sizeof(block_q8_x) * (size_t)(M * nb));
-    if (!xq) return -1;
+    void *scratch = malloc(int8_act ? sizeof(block_q8_x) * (size_t)(M * nb) : sizeof(float) * (size_t)(M * nb));
+    if (!scratch) return -1;
     size_t row_bytes = (size_t)nb * (fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0));
-    qgemm_ctx c = {fmt, x, xq, (const char *)w, bias, y, M, N, K, nb, row_bytes};
-    parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
+    qgemm_ctx c = {fmt, int8_act, x, int8_act ? NULL : (float *)scratch, int8_act ? (block_q8_x *)scratch : NULL,
+                   (const char *)w, bias, y, M, N, K, nb, row_bytes};
+    if (int8_act || fmt == 0) parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
     parallel_for(qgemm_range, &c, N, grain_for(N, 16));
-    free(xq);
+    free(scratch);
     return 0;
 }
 
@@ -417,14 +473,6 @@ static void round_trip_range(void *p, int64_t begin, int64_t end) {
 void plinth_round_trip_q8(const float *x, float *out, int64_t M, int64_t K) {
     rt_ctx c = {x, out};
     parallel_for(round_trip_range, &c, M * (K / QK), grain_for(M * (K / QK), 256));
-}
-
-int plinth_gemm_q4_1(const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    return gemm_quant(0, x, w, bias, y, M, N, K);
-}
-
-int plinth_gemm_q8_0(const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    return gemm_quant(1, x, w, bias, y, M, N, K);
 }
 
 typedef struct {
