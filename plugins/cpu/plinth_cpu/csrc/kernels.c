@@ -766,6 +766,11 @@ int plinth_decode_attention(const float *q, int64_t sq, const float *cache, cons
                             int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap) {
     attn_ctx c = {q, sq, cache, block_tables, max_blocks, seq_lens, out, H, Hk, D, bs, num_blocks, scale, window,
                   soft_cap, 0};
-    parallel_for(decode_attention_range, &c, B * Hk, 1);
+    /* items of at least ~64k multiply-adds: waking a thread costs more than a short sequence's work */
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++) total += seq_lens[b];
+    int64_t per_item = (total / B + 1) * (H / Hk) * D * 2;
+    int64_t grain = 65536 / per_item + 1;
+    parallel_for(decode_attention_range, &c, B * Hk, grain);
     return atomic_load(&c.failed) ? -1 : 0;
 }
