@@ -237,3 +237,23 @@ def test_pool_survives_many_alternating_calls(nk: NativeKernels) -> None:
     expected = [F.linear(x, w) for w in ws]
     for i in range(3000):
         torch.testing.assert_close(nk.gemm_f32(x, ws[i % 3], None), expected[i % 3], rtol=1e-5, atol=1e-5)
+
+
+def _gemm_in_child(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    kernels = native()
+    assert kernels is not None and kernels.num_threads() == 2
+    return kernels.gemm_f32(x, w, None)
+
+
+@needs_native
+def test_pool_works_in_a_forked_child(nk: NativeKernels) -> None:
+    """A child forked after the workers started runs parallel calls with fresh workers."""
+    import multiprocessing
+
+    nk.set_num_threads(2)
+    w, x = torch.randn(400, 64), torch.randn(2, 64)
+    nk.gemm_f32(x, w, None)  # workers started in the parent
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply(_gemm_in_child, (x, w))
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)

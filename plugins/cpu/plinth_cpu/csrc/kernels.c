@@ -133,7 +133,20 @@ void plinth_set_num_threads(int n) {
 
 int plinth_get_num_threads(void) { return pool.nthreads; }
 
+/* A forked child has none of the parent's workers (and maybe a mutex a worker held): start afresh. */
+static void pool_after_fork_in_child(void) {
+    pool.started = 0;
+    atomic_store(&pool.sleeping, 0);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+}
+
 static void parallel_for(range_fn fn, void *ctx, int64_t n, int64_t grain) {
+    static int atfork_registered = 0;
+    if (!atfork_registered) {
+        pthread_atfork(NULL, NULL, pool_after_fork_in_child);
+        atfork_registered = 1;
+    }
     if (grain < 1) grain = 1;
     int64_t items = (n + grain - 1) / grain;
     if (items <= 1 || pool.nthreads <= 1) {
