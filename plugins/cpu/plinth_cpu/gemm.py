@@ -1,9 +1,9 @@
 """GEMM for the CPU backend: dense fp32/bf16/fp16 weights and ggml q4_1/q8_0 blocks.
 
-Dense weights stay ``[N, K]`` row-major. Up to a decode batch of activation rows go through the
-native kernel, which streams the weight once at close to read bandwidth (torch's M=1 GEMM reaches
-about a third of it here) and runs on the backend's own thread pool; prefill-sized products go
-through ``F.linear``, whose oneDNN/MKL GEMM wins once the product is compute-bound. A row-major
+Dense fp32 weights stay ``[N, K]`` row-major and go through the native kernel: at batch 1 it
+streams the weight once at close to read bandwidth (torch's M=1 GEMM reaches about a third of it
+here), and batched its register tiles run on the backend's own thread pool, which keeps going when
+a thread is descheduled (see NATIVE_DENSE_MAX_ROWS). Other dtypes use ``F.linear``. A row-major
 ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
 pre-transposed.
 
@@ -29,12 +29,18 @@ from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.quant import QuantizedWeight
 from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 
-#: Dense fp32 products with at most this many rows use the native kernel. Measured here (fp32,
-#: SmolLM2 shapes): 1.1-3x F.linear up to 64 rows with one thread, about even at 64, 0.7-0.85x at
-#: 256; with two threads on a busy machine F.linear's OpenMP barriers stall and native is 2-20x.
-NATIVE_DENSE_MAX_ROWS = 64
+#: Dense fp32 products with at most this many rows use the native kernel, the rest F.linear.
+#: Measured here (SmolLM2's four layer shapes, 2 threads, load average 2.5 from other jobs):
+#: native 52-74 GFLOP/s from 64 to 1024 rows, F.linear 13-54 (its OpenMP barriers stall when a
+#: thread is descheduled): 4.1x at 64 rows, 1.4x at 1024. The 64-request throughput workload ran
+#: 1.37x faster with every product native than with F.linear above 64 rows, side by side.
+NATIVE_DENSE_MAX_ROWS = 4096
 #: Activation handling for quantized weights: "fp32" (default) or "int8" (llama.cpp's rounding).
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
+
+#: Quantized products up to this many rows dequantize 3 weight rows at a time (per 32-row block of
+#: activations); above, the whole weight is dequantized once into scratch.
+DEQUANT_ROWS_MAX_ROWS = 64
 
 #: Quantized products with at most this many rows use the per-block kernel.
 NATIVE_QUANT_MAX_ROWS = 16
@@ -108,12 +114,12 @@ class CpuGemm(GemmKernels):
         else:  # the same activations as the few-row path
             if self.int8_activations:
                 xf = native.round_trip_q8(xf)
-            if m <= NATIVE_DENSE_MAX_ROWS:  # fp32 tiles on 3 rows dequantized at a time
+            if m <= DEQUANT_ROWS_MAX_ROWS:  # fp32 tiles on 3 rows dequantized at a time
                 y = native.gemm_dequant(weight.format, xf, blocks, weight.bias, n)
-            else:  # prefill-sized: the whole weight dequantized into scratch, then F.linear
+            else:  # prefill-sized: the whole weight dequantized once into scratch
                 k = weight.in_features
                 if self._scratch is None or self._scratch.numel() < n * k:
                     self._scratch = torch.empty(n * k, dtype=torch.float32)
                 w = native.dequant(weight.format, blocks, n, k, self._scratch[: n * k].view(n, k))
-                y = F.linear(xf, w, weight.bias)
+                y = self._dense(xf, w, weight.bias)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

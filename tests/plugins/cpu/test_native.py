@@ -13,7 +13,7 @@ from plinth.platform.backend import AttentionMetadata, AttentionSpec, SmallOps
 from plinth.quant import QuantizedWeight, dequantize, quantize_q8_0
 from plinth_cpu import native as native_mod
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
-from plinth_cpu.gemm import NATIVE_DENSE_MAX_ROWS, NATIVE_QUANT_MAX_ROWS, CpuGemm
+from plinth_cpu.gemm import DEQUANT_ROWS_MAX_ROWS, NATIVE_QUANT_MAX_ROWS, CpuGemm
 from plinth_cpu.native import NativeKernels, native, native_status
 from plinth_cpu.ops import CpuOps
 
@@ -81,7 +81,7 @@ def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int
 @needs_native
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32_act", "int8_act"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3, NATIVE_DENSE_MAX_ROWS + 5])
+@pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3, DEQUANT_ROWS_MAX_ROWS + 5])
 def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, int8: bool) -> None:
     """fp32 activations: the dequantized weight's product. int8 activations: within the rounding
     bound. Either way on both paths (few rows: per-block kernel; many: dequantized rows), and a
