@@ -137,7 +137,20 @@ class GGUFFile:
             values = np.frombuffer(self._map, dtype=np.dtype(fmt), count=count, offset=self._pos).tolist()
             self._pos += size * count
             return values
+        if elem_type == GGUFValueType.STRING:
+            return self._strings(count)
         return [self._value(elem_type) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        # the vocabulary and merges (~50k strings each): one tight loop, ~2x faster than _value per item
+        buf, pos, unpack, out = self._map, self._pos, struct.unpack_from, []
+        for _ in range(count):
+            (length,) = unpack("<Q", buf, pos)
+            pos += 8
+            out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        self._pos = pos
+        return out
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()
