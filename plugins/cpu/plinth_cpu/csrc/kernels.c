@@ -545,22 +545,21 @@ static void qdgemm_range(void *p, int64_t begin, int64_t end) {
         return;
     }
     dequant_ctx d = {c->fmt, c->w, NULL, K, K / QK, c->fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)};
-    for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
-        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M;
-        for (int64_t item = begin; item < end; item++) {
-            int64_t n = item * 3, rows = n + 3 <= N ? 3 : N - n;
-            d.out = buf - n * K; /* dequant_range writes row r at out + r * K */
-            dequant_range(&d, n, n + rows);
-            const float *bias = c->bias ? c->bias + n : NULL;
-            if (rows == 3) {
-                int64_t m = m0;
-                for (; m + 4 <= m1; m += 4) tile_4x3(c->x + m * K, buf, K, c->y + m * N + n, N, bias);
-                for (; m < m1; m++) tile_1x3(c->x + m * K, buf, K, c->y + m * N + n, bias);
-            } else {
-                for (int64_t m = m0; m < m1; m++)
-                    for (int64_t j = 0; j < rows; j++)
-                        c->y[m * N + n + j] = dot1(c->x + m * K, buf + j * K, K) + (bias ? bias[j] : 0.0f);
-            }
+    /* each item's rows are dequantized once, then meet every activation row (a decode batch of
+     * at most a few dozen rows of K floats stays in L2 meanwhile) */
+    for (int64_t item = begin; item < end; item++) {
+        int64_t n = item * 3, rows = n + 3 <= N ? 3 : N - n;
+        d.out = buf - n * K; /* dequant_range writes row r at out + r * K */
+        dequant_range(&d, n, n + rows);
+        const float *bias = c->bias ? c->bias + n : NULL;
+        if (rows == 3) {
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) tile_4x3(c->x + m * K, buf, K, c->y + m * N + n, N, bias);
+            for (; m < M; m++) tile_1x3(c->x + m * K, buf, K, c->y + m * N + n, bias);
+        } else {
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < rows; j++)
+                    c->y[m * N + n + j] = dot1(c->x + m * K, buf + j * K, K) + (bias ? bias[j] : 0.0f);
         }
     }
     free(buf);
