@@ -159,13 +159,18 @@ static void parallel_for(range_fn fn, void *ctx, int64_t n, int64_t grain) {
         pthread_detach(t);
         pool.started++;
     }
+    /* Close the word first: a worker still holding the previous generation's exhausted index must
+     * not win a CAS against it once items has grown for this call (it would run an item twice and
+     * count it, and the call could return while an item still runs: a use after free). */
+    uint32_t g = ++pool.cur_gen;
+    atomic_store(&pool.next, ((uint64_t)g << 32) | 0xFFFFFFFFu);
+    atomic_thread_fence(memory_order_seq_cst); /* the fields below are written after the close */
     pool.fn = fn;
     pool.ctx = ctx;
     pool.n = n;
     pool.grain = grain;
     pool.items = items;
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    uint32_t g = ++pool.cur_gen;
+    atomic_store(&pool.done, 0);
     atomic_store(&pool.next, (uint64_t)g << 32);
     atomic_store(&pool.gen, g);
     if (atomic_load(&pool.sleeping) > 0) {
