@@ -76,14 +76,15 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_flags() -> set[str] | None:
+    """The x86 "flags" of /proc/cpuinfo; None where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
                     return set(line.partition(":")[2].split())
     except OSError:
-        pass
+        return None
     return set()
 
 
@@ -253,7 +254,10 @@ def _load() -> tuple[NativeKernels | None, str]:
         return None, "native kernels off (PLINTH_CPU_NATIVE=0)"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"native kernels need x86-64, this is {platform.machine()}"
-    missing = REQUIRED_CPU_FLAGS - _cpu_flags()
+    flags = _cpu_flags()
+    if flags is None:
+        return None, "native kernels off: /proc/cpuinfo is unreadable, so AVX2/FMA/F16C cannot be confirmed"
+    missing = REQUIRED_CPU_FLAGS - flags
     if missing:
         return None, f"native kernels need {', '.join(sorted(missing))}, which this CPU lacks"
     compiler = _compiler()

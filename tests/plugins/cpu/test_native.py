@@ -19,7 +19,7 @@ from plinth_cpu.ops import CpuOps
 
 
 def _can_build() -> bool:
-    flags = native_mod._cpu_flags()
+    flags = native_mod._cpu_flags() or set()
     return platform.machine() == "x86_64" and flags >= native_mod.REQUIRED_CPU_FLAGS and bool(shutil.which("cc"))
 
 
