@@ -20,14 +20,10 @@ _STARTED_AT = time.time()
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from plinth.config import QUANTIZATION_HELP
+    from plinth.engine_args import add_engine_arguments
 
-    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    add_engine_arguments(p)
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
-    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
     p.add_argument("--strict", action="store_true", help="refuse reference-kernel fallbacks")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickle (.bin/.pt) checkpoints")
 
@@ -61,18 +57,10 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
+    from plinth.engine_args import engine_options
     from plinth.llm import LLM
 
-    return LLM(
-        model=args.model,
-        backend=args.backend,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        num_threads=args.threads,
-        quantization=args.quantization,
-        strict=args.strict,
-        allow_pickle=args.allow_pickle,
-    )
+    return LLM(**engine_options(args))
 
 
 def _report(llm, out) -> None:  # noqa: ANN001

@@ -6,12 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: ``--quantization`` help, shared by every command that builds an engine.
-QUANTIZATION_HELP = (
-    "auto (default): keep a GGUF's q4_1/q8_0 weights where the backend multiplies them natively; "
-    "none: dequantize every weight to --dtype; int8: also quantize floating-point weights to q8_0"
-)
-
 
 class EngineConfig(BaseModel):
     """Everything that decides how an engine is built. Unset fields are chosen from the model and

@@ -13,16 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from plinth.config import QUANTIZATION_HELP
+from plinth.engine_args import add_engine_arguments, engine_options
 
 
 def add_bench_latency_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``plinth bench latency``."""
-    p.add_argument("--model", default=None)
-    p.add_argument("--backend", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
+    add_engine_arguments(p)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
@@ -150,13 +146,7 @@ def run_bench_latency(args: argparse.Namespace) -> int:
     """Entry point of ``plinth bench latency``."""
     from plinth.llm import LLM
 
-    llm = LLM(
-        model=args.model,
-        backend=args.backend,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        quantization=args.quantization,
-    )
+    llm = LLM(**engine_options(args))
     result = measure_latency(llm, args.input_len, args.output_len, args.iters)
     if not args.no_cold_start:
         result.update(measure_cold_start(args.model, args.backend))

@@ -8,16 +8,12 @@ import time
 from typing import Any
 
 from plinth.bench.datasets import BenchRequest, sharegpt, synthetic
-from plinth.config import QUANTIZATION_HELP
+from plinth.engine_args import add_engine_arguments, engine_options
 
 
 def add_bench_throughput_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``plinth bench throughput``."""
-    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
+    add_engine_arguments(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic, seed 0)")
     p.add_argument("--seed", type=int, default=0)
@@ -75,15 +71,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     """Entry point of ``plinth bench throughput``."""
     from plinth.llm import LLM
 
-    llm = LLM(
-        model=args.model,
-        backend=args.backend,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        quantization=args.quantization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    llm = LLM(**engine_options(args))
     if args.dataset:
         requests = sharegpt(args.dataset, llm.tokenizer, args.num_prompts)
     else:

@@ -13,24 +13,20 @@ import os
 import signal
 import sys
 
-from plinth.config import QUANTIZATION_HELP
+from plinth.engine_args import add_engine_arguments, engine_options
 
 logger = logging.getLogger(__name__)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``plinth serve`` (engine options, then HTTP ones)."""
-    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    add_engine_arguments(p)
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV-cache blocks")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache size (default: from free memory)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
-    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
     p.add_argument("--strict", action="store_true", help="refuse reference-kernel fallbacks")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickle (.bin/.pt) checkpoints")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -53,23 +49,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from plinth.server.app import ServerSettings, build_app
     from plinth.server.async_engine import AsyncEngine
 
-    options = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-    }
+    cache = {"num_kv_blocks": args.num_kv_blocks, "kv_cache_memory_gb": args.kv_cache_memory_gb}
     config = EngineConfig(
-        model=args.model,
-        backend=args.backend,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        num_threads=args.threads,
-        quantization=args.quantization,
-        strict=args.strict,
-        allow_pickle=args.allow_pickle,
+        **engine_options(args),
         enable_prefix_caching=not args.no_prefix_caching,
-        **{k: v for k, v in options.items() if v is not None},
+        **{k: v for k, v in cache.items() if v is not None},
     )
     source = resolve_model(args.model)
     settings = ServerSettings(

@@ -193,15 +193,7 @@ class CpuAttention(AttentionKernels):
             and kv_cache.is_contiguous()
         ):
             # a pure decode step (one token per sequence, packed from row 0): one native call
-            return native.decode_attention(
-                query,
-                kv_cache,
-                meta.block_tables.to(torch.int32).contiguous(),
-                meta.seq_lens.to(torch.int32).contiguous(),
-                scale,
-                self.spec.sliding_window,
-                self.spec.logits_soft_cap,
-            )
+            return self._native_decode(native, query, kv_cache, meta.block_tables, meta.seq_lens, scale)
         # Query offsets from the host copies (query_start_loc is their prefix sum): B host ints,
         # never a loop per token.
         starts, decodes, prefills = [], [], []
@@ -358,19 +350,31 @@ class CpuAttention(AttentionKernels):
             tables, seq = meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index)
         packed = starts == list(range(starts[0], starts[0] + G))
         q = query[starts[0] : starts[0] + G] if packed else query.index_select(0, torch.tensor(starts))
-        o = native.decode_attention(
-            q,
-            kv_cache,
-            tables.to(torch.int32).contiguous(),
-            seq.to(torch.int32).contiguous(),
-            scale,
-            self.spec.sliding_window,
-            self.spec.logits_soft_cap,
-        )
+        o = self._native_decode(native, q, kv_cache, tables, seq, scale)
         if packed:
             out[starts[0] : starts[0] + G] = o
         else:
             out.index_copy_(0, torch.tensor(starts), o)
+
+    def _native_decode(
+        self,
+        native: NativeKernels,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per row of ``q`` [G, H, D] over the pages of ``tables`` [G, nb] -> [G, H, D]."""
+        return native.decode_attention(
+            q,
+            kv_cache,
+            tables.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+            scale,
+            self.spec.sliding_window,
+            self.spec.logits_soft_cap,
+        )
 
     def _prefill(
         self,

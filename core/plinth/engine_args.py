@@ -1,0 +1,41 @@
+"""The engine options every command that builds an engine shares, and their mapping to EngineConfig.
+
+Torch- and pydantic-free, so building a parser stays quick (``plinth --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+QUANTIZATION_HELP = (
+    "auto (default): keep a GGUF's q4_1/q8_0 weights where the backend multiplies them natively; "
+    "none: dequantize every weight to --dtype; int8: also quantize floating-point weights to q8_0"
+)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model --backend --dtype --threads --quantization``: what selects the model and its kernels."""
+    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
+    p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields from :func:`add_engine_arguments`'s options (and the optional ones a command
+    adds: ``--max-model-len``, ``--strict``, ``--allow-pickle``, ``--max-num-seqs``,
+    ``--max-num-batched-tokens``), leaving out what was not given so the config's defaults apply."""
+    options: dict[str, Any] = {
+        "model": args.model,
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "num_threads": args.threads,
+        "quantization": args.quantization,
+    }
+    for field in ("max_model_len", "strict", "allow_pickle", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(args, field, None)
+        if value is not None:
+            options[field] = value
+    return options
