@@ -27,6 +27,9 @@ class EngineConfig(BaseModel):
     strict: bool = Field(False, description="refuse reference-kernel fallbacks instead of warning")
     allow_pickle: bool = Field(False, description="allow loading pickle (.bin/.pt) checkpoints")
     num_threads: int | None = Field(None, ge=1, description="host threads for CPU kernels")
+    enforce_eager: bool = Field(
+        False, description="run every step eagerly; False: replay decode steps from step graphs where the backend can"
+    )
     quantization: Literal["auto", "none", "int8"] = Field(
         "auto",
         description="auto: keep a checkpoint's quantized weights where the backend multiplies them natively; "

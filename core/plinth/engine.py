@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plinth.config import EngineConfig
+from plinth.graphs import DecodeGraphs
 from plinth.model.context import ModelKernels
 from plinth.model.loader import load_model, load_tokenizer, resolve_model
 from plinth.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -140,7 +141,21 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(self.model, kv_caches, self.kernels.attention(specs[0]), services, block_size)
+        graphs = None
+        if not config.enforce_eager:
+            graphs = DecodeGraphs(
+                self.model,
+                services,
+                kv_caches,
+                block_size=block_size,
+                max_blocks_per_seq=-(-self.max_model_len // block_size),
+                hidden_size=self.model_config.hidden_size,
+                dtype=torch_dtype(dtype),
+                max_seq_len=self.max_model_len,
+            )
+        self.runner = ModelRunner(
+            self.model, kv_caches, self.kernels.attention(specs[0]), services, block_size, graphs=graphs
+        )
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, str] = {}
         self.load_seconds = time.monotonic() - t0

@@ -15,12 +15,18 @@ QUANTIZATION_HELP = (
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model --backend --dtype --threads --quantization``: what selects the model and its kernels."""
+    """``--model --backend --dtype --threads --quantization --enforce-eager``: what selects the model
+    and its kernels."""
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
     p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
     p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no step graphs for decode steps (see docs/architecture.md)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,6 +39,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "num_threads": args.threads,
         "quantization": args.quantization,
+        "enforce_eager": args.enforce_eager,
     }
     for field in ("max_model_len", "strict", "allow_pickle", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, field, None)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from plinth.graphs import DecodeGraphs
 from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
 from plinth.sampler import Sampler, SampleResult, SampleRow
@@ -41,8 +42,10 @@ class ModelRunner:
         attention: AttentionKernels,
         services: DeviceServices,
         block_size: int,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs  # decode steps replayed from step graphs; None: every step eager
         self.kv_caches = kv_caches
         self.attention = attention  # used for block copies; every layer shares the cache layout
         self.services = services
@@ -92,18 +95,41 @@ class ModelRunner:
             last_token_index=(query_start_loc[1:] - 1).to(dev),
         )
 
+    @staticmethod
+    def _graph_step(out: SchedulerOutput, graphs: DecodeGraphs) -> bool:
+        """Whether this step is a pure decode a step graph can run (counted as eager if not)."""
+        if not out.scheduled or any(len(s.token_ids) != 1 for s in out.scheduled):
+            return False
+        if graphs.bucket(len(out.scheduled)) is None:
+            graphs.stats.eager += 1
+            return False
+        return True
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, list[SampleResult]]:
         """Run the step; return the sampled tokens of each request that samples this step."""
         if out.block_copies:
             self.attention.copy_blocks(self.kv_caches, out.block_copies)
-        batch = self.prepare(out)
-        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
         sampling = [i for i, s in enumerate(out.scheduled) if s.num_samples > 0]
-        if not sampling:
-            return {}
-        idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
-        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [S, V]
+        graphs = self.graphs
+        if graphs is not None and self._graph_step(out, graphs):
+            scheduled = out.scheduled
+            hidden = graphs.run(
+                [s.token_ids[0] for s in scheduled],
+                [s.start_position for s in scheduled],
+                [s.block_ids for s in scheduled],
+            )  # [B, hidden]: one row per sequence
+            if not sampling:
+                return {}
+            last = hidden if len(sampling) == len(scheduled) else hidden[torch.tensor(sampling, device=self.device)]
+        else:
+            batch = self.prepare(out)
+            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+            if not sampling:
+                return {}
+            idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
+            last = hidden.index_select(0, idx)
+        logits = self.model.compute_logits(last)  # [S, V]
         rows: list[SampleRow] = []
         owners: list[str] = []
         for j, i in enumerate(sampling):

@@ -182,8 +182,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.rotary.forward(q.view(num_tokens, self.num_heads, self.head_dim), positions)  # [T, H, D]
         k = self.rotary.forward(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
-        # v is a strided slice of qkv; kernels may assume dense [T, Hkv, D]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
+        # v stays a strided view of qkv (write_kv takes any strides): no copy
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         kv_cache = ctx.kv_caches[self.layer_idx]
         self.attn_kernels.write_kv(k.contiguous(), v, kv_cache, ctx.attn.slot_mapping)
         out = self.attn_kernels.forward(q.contiguous(), kv_cache, ctx.attn, self.scale)  # [T, H, D]

@@ -130,8 +130,18 @@ class LlamaForCausalLM(nn.Module):
 
         Writes the step's K/V into ``ctx.kv_caches`` at ``ctx.attn.slot_mapping``.
         """
+        return self.forward_embedded(self.embed(input_ids), positions, ctx)
+
+    def embed(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The embedding rows of ``input_ids`` [T] -> [T, hidden] (into ``out`` when given)."""
         assert self.embed_tokens is not None, "forward before load_weights"
-        hidden = self.embed_tokens.index_select(0, input_ids)  # [T, hidden]
+        if out is None:
+            return self.embed_tokens.index_select(0, input_ids)
+        return torch.index_select(self.embed_tokens, 0, input_ids, out=out)
+
+    @torch.inference_mode()
+    def forward_embedded(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """:meth:`forward` from embedded inputs ``hidden`` [T, hidden], which it may overwrite."""
         residual: torch.Tensor | None = None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)

@@ -185,7 +185,8 @@ class AttentionKernels(ABC):
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Store ``key``/``value`` ([T, Hkv, D]) at ``slot_mapping`` ([T]); slots < 0 are skipped."""
+        """Store ``key``/``value`` ([T, Hkv, D], any strides: ``value`` is usually a view into the
+        fused QKV projection) at ``slot_mapping`` ([T]); slots < 0 are skipped."""
 
     @abstractmethod
     def forward(
@@ -282,6 +283,39 @@ class SmallOps:
         return torch.cat((out, rest), dim=-1) if rest.numel() else out
 
 
+class StepGraph(ABC):
+    """Kernel calls recorded once over fixed buffers, replayed without the code that issued them.
+
+    The analogue of a CUDA graph: every buffer a recorded call read or wrote is the one it uses on
+    replay, so the caller refills the inputs in place and reads the outputs where they were.
+    """
+
+    @abstractmethod
+    def replay(self) -> None:
+        """Run the recorded calls again, in order."""
+
+
+class GraphCapture(ABC):
+    """A recording in progress, from :meth:`DeviceServices.begin_graph_capture`.
+
+    Between ``begin_graph_capture`` and :meth:`finish` the caller runs a model forward once, for
+    real (its results are valid); the backend records its kernel calls as they run.
+    """
+
+    #: True when only the backend's own kernel calls are recorded, not torch ops. The core then
+    #: watches the capture and discards it if any torch op computed something (views and
+    #: allocations are fine), and keeps every tensor made during it alive for the replays.
+    kernels_only: ClassVar[bool] = True
+
+    @abstractmethod
+    def finish(self) -> StepGraph:
+        """Stop recording; the graph of what ran since the capture began."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Stop recording and discard it."""
+
+
 class DeviceServices:
     """Device-level services: where tensors live, how much memory is free, optional compilation.
 
@@ -310,6 +344,14 @@ class DeviceServices:
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Optionally compile a model forward; the default returns it unchanged."""
         return fn
+
+    def begin_graph_capture(self) -> GraphCapture | None:
+        """Start recording kernel calls into a :class:`StepGraph`; None (the default) where the
+        backend cannot. The runner captures decode steps once per batch-size bucket and replays
+        them; a backend's kernels must then make the same calls for the same batch size (the
+        choices they make on the host may depend on shapes, not on the values in the metadata).
+        """
+        return None
 
 
 class Backend(ABC):

@@ -16,13 +16,15 @@ from plinth.platform.backend import (
     Capabilities,
     DeviceServices,
     GemmKernels,
+    GraphCapture,
     Probe,
     SmallOps,
+    StepGraph,
     torch_dtype,
 )
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
 from plinth_cpu.gemm import CpuGemm
-from plinth_cpu.native import QUANT_FORMATS, native, native_status
+from plinth_cpu.native import QUANT_FORMATS, NativeGraph, NativeKernels, native, native_status
 from plinth_cpu.ops import CpuOps
 
 try:
@@ -72,18 +74,59 @@ def isa_features(cpuinfo: str) -> list[str]:
     return [name for name, implied in _ISA_FLAGS if flags & implied]
 
 
+class CpuStepGraph(StepGraph):
+    """A step's native kernel calls, replayed in one call into the library."""
+
+    def __init__(self, graph: NativeGraph) -> None:
+        self.graph = graph
+
+    def replay(self) -> None:
+        """Run the recorded calls; :class:`~plinth_cpu.native.GraphError` names one that failed."""
+        self.graph.replay()
+
+
+class CpuGraphCapture(GraphCapture):
+    """Records the native kernels' calls (torch ops are not recorded: ``kernels_only``)."""
+
+    kernels_only = True
+
+    def __init__(self, native: NativeKernels) -> None:
+        self._native = native
+        native.begin_recording()
+
+    def finish(self) -> StepGraph:
+        """The calls made since the capture began, as a :class:`CpuStepGraph`."""
+        return CpuStepGraph(self._native.end_recording())
+
+    def cancel(self) -> None:
+        """Stop recording and drop the calls."""
+        self._native.cancel_recording()
+
+
+class CpuServices(DeviceServices):
+    """The host CPU's services; step graphs of the native kernels where they are loaded."""
+
+    def __init__(self, native: NativeKernels | None) -> None:
+        super().__init__(torch.device("cpu"))
+        self._native = native
+
+    def begin_graph_capture(self) -> GraphCapture | None:
+        """Record native kernel calls; None without native kernels (torch ops cannot be recorded)."""
+        return None if self._native is None else CpuGraphCapture(self._native)
+
+
 class CpuBackend(Backend):
     """Vectorised torch kernels on the host CPU: fp32 (fastest here), bf16/fp16 with fp32 attention."""
 
     name = "cpu"
     version = __version__
-    api_version = (1, 1)
+    api_version = (1, 2)
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:
         dtypes = frozenset({"float32", "float64", "bfloat16", "float16"})
-        self._services = DeviceServices(torch.device("cpu"))
         self._native = native()  # None without AVX2/FMA/F16C or a C compiler: torch kernels only
+        self._services = CpuServices(self._native)
         self._caps = Capabilities(
             dtypes=dtypes,
             kv_cache_dtypes=dtypes,
@@ -121,7 +164,7 @@ class CpuBackend(Backend):
         return self._caps
 
     def device_services(self) -> DeviceServices:
-        """The host CPU's device services (memory from sysconf, no-op synchronize)."""
+        """The host CPU's device services (memory from sysconf, no-op synchronize, step graphs)."""
         return self._services
 
     def allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int) -> torch.Tensor:

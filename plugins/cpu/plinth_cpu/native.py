@@ -30,7 +30,7 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
@@ -55,7 +55,85 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         + [c_int64] * 6
         + [c_float, c_int64, c_float],
     ),
+    "plinth_graph_run": (c_int64, [c_void_p, c_int64]),
 }
+
+#: Calls a step graph can record, with their kind in ``plinth_graph_run`` (csrc/kernels.c).
+GRAPH_OPS: dict[str, int] = {
+    "plinth_gemm_f32": 1,
+    "plinth_gemm_quant": 2,
+    "plinth_gemm_dequant": 3,
+    "plinth_dequant": 4,
+    "plinth_round_trip_q8": 5,
+    "plinth_rms_norm": 6,
+    "plinth_silu_and_mul": 7,
+    "plinth_rotary": 8,
+    "plinth_write_kv": 9,
+    "plinth_decode_attention": 10,
+}
+
+
+class _Op(ctypes.Structure):
+    """One recorded call (``plinth_op``): integer/pointer arguments in order, then float ones."""
+
+    _fields_ = [("kind", c_int64), ("a", c_int64 * 14), ("f", c_float * 4)]
+
+
+class GraphError(RuntimeError):
+    """A step graph could not be recorded or a replayed call failed."""
+
+
+class NativeGraph:
+    """Native calls recorded once, replayed in order by one ``plinth_graph_run`` call.
+
+    Every pointer is the one the recorded call got: replaying reads and writes the same buffers,
+    so whoever recorded keeps them alive and refills the inputs in place before :meth:`replay`.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, calls: list[tuple[str, tuple[object, ...]]]) -> None:
+        self._run = lib.plinth_graph_run
+        self.names = [name for name, _ in calls]
+        self._ops = (_Op * len(calls))()
+        for op, (name, args) in zip(self._ops, calls, strict=True):
+            op.kind = GRAPH_OPS[name]
+            ints = floats = 0
+            for arg, kind in zip(args, _SIGNATURES[name][1], strict=True):
+                if kind is c_float:
+                    op.f[floats] = float(arg)  # type: ignore[arg-type]
+                    floats += 1
+                else:
+                    op.a[ints] = 0 if arg is None else int(arg)  # type: ignore[call-overload]
+                    ints += 1
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def replay(self) -> None:
+        """Run the recorded calls; raises :class:`GraphError` naming a call that failed."""
+        status = self._run(ctypes.addressof(self._ops), len(self._ops))
+        if status:
+            i = abs(status) - 1
+            what = "ran out of memory" if status > 0 else "is of a kind the library does not know"
+            raise GraphError(f"step graph call {i} ({self.names[i]}) {what}")
+
+
+class _RecordingLibrary:
+    """Stands in for the library while a graph records: each call runs and is appended to ``calls``."""
+
+    def __init__(self, lib: ctypes.CDLL, calls: list[tuple[str, tuple[object, ...]]]) -> None:
+        self._lib = lib
+        self._calls = calls
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self._lib, name)
+        if name not in GRAPH_OPS:
+            raise GraphError(f"{name} cannot be recorded in a step graph")
+
+        def record(*args: object) -> object:
+            self._calls.append((name, args))
+            return fn(*args)
+
+        return record
 
 
 class NativeBuildError(RuntimeError):
@@ -124,7 +202,28 @@ class NativeKernels:
         if lib.plinth_abi_version() != ABI_VERSION:
             raise NativeBuildError(f"{path}: ABI {lib.plinth_abi_version()}, expected {ABI_VERSION}")
         self.lib = lib
+        self._lib = lib  # the library itself while self.lib records
+        self._calls: list[tuple[str, tuple[object, ...]]] = []
         self.set_num_threads(torch.get_num_threads())
+
+    def begin_recording(self) -> None:
+        """Record every kernel call from now on (they still run) until :meth:`end_recording`."""
+        if isinstance(self.lib, _RecordingLibrary):
+            raise GraphError("a step graph is already recording")
+        self._lib, self._calls = self.lib, []
+        self.lib = _RecordingLibrary(self._lib, self._calls)  # type: ignore[assignment]
+
+    def end_recording(self) -> NativeGraph:
+        """Stop recording; the calls made since :meth:`begin_recording` as a graph."""
+        if not isinstance(self.lib, _RecordingLibrary):
+            raise GraphError("no step graph is recording")
+        self.lib = self._lib
+        return NativeGraph(self.lib, self._calls)
+
+    def cancel_recording(self) -> None:
+        """Stop recording and drop what was recorded (no-op when not recording)."""
+        if isinstance(self.lib, _RecordingLibrary):
+            self.lib = self._lib
 
     def set_num_threads(self, n: int) -> None:
         """Threads the kernels use, the calling thread included."""

@@ -61,7 +61,7 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-int plinth_abi_version(void) { return 3; }
+int plinth_abi_version(void) { return 4; }
 
 /* ---------------------------------------------------------------------------------------------
  * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
@@ -791,3 +791,81 @@ int plinth_decode_attention(const float *q, int64_t sq, const float *cache, cons
     parallel_for(decode_attention_range, &c, B * Hk, grain);
     return atomic_load(&c.failed) ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Step graphs: a recorded sequence of the calls above, replayed in one call. The Python side
+ * records each call's arguments as it runs once (native.py, NativeGraph); replaying skips the
+ * Python that issued them (at batch 1 that Python cost as much as the arithmetic). Every pointer
+ * is fixed at recording: the caller refills the same buffers before each replay.
+ */
+enum {
+    OP_GEMM_F32 = 1,
+    OP_GEMM_QUANT,
+    OP_GEMM_DEQUANT,
+    OP_DEQUANT,
+    OP_ROUND_TRIP_Q8,
+    OP_RMS_NORM,
+    OP_SILU_AND_MUL,
+    OP_ROTARY,
+    OP_WRITE_KV,
+    OP_DECODE_ATTENTION,
+};
+
+/* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
+typedef struct {
+    int64_t kind;
+    int64_t a[14];
+    float f[4];
+} plinth_op;
+
+#define P(i) ((void *)(intptr_t)op->a[i])
+
+/* Runs ops[0..n) in order. Returns 0, or i + 1 for the first op i that failed (out of memory),
+ * or -(i + 1) for an op i of an unknown kind; the ops after a failure are not run. */
+int64_t plinth_graph_run(const plinth_op *ops, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const plinth_op *op = ops + i;
+        int failed = 0;
+        switch (op->kind) {
+        case OP_GEMM_F32:
+            plinth_gemm_f32(P(0), P(1), P(2), P(3), op->a[4], op->a[5], op->a[6]);
+            break;
+        case OP_GEMM_QUANT:
+            failed = plinth_gemm_quant((int)op->a[0], (int)op->a[1], P(2), P(3), P(4), P(5), op->a[6], op->a[7],
+                                       op->a[8]);
+            break;
+        case OP_GEMM_DEQUANT:
+            failed = plinth_gemm_dequant((int)op->a[0], P(1), P(2), P(3), P(4), op->a[5], op->a[6], op->a[7]);
+            break;
+        case OP_DEQUANT:
+            plinth_dequant((int)op->a[0], P(1), P(2), op->a[3], op->a[4]);
+            break;
+        case OP_ROUND_TRIP_Q8:
+            plinth_round_trip_q8(P(0), P(1), op->a[2], op->a[3]);
+            break;
+        case OP_RMS_NORM:
+            plinth_rms_norm(P(0), P(1), P(2), P(3), op->a[4], op->a[5], op->f[0]);
+            break;
+        case OP_SILU_AND_MUL:
+            plinth_silu_and_mul(P(0), P(1), op->a[2], op->a[3]);
+            break;
+        case OP_ROTARY:
+            plinth_rotary(P(0), op->a[1], P(2), P(3), P(4), op->a[5], op->a[6], op->a[7], op->a[8]);
+            break;
+        case OP_WRITE_KV:
+            plinth_write_kv(P(0), op->a[1], P(2), op->a[3], P(4), P(5), op->a[6], op->a[7], op->a[8], op->a[9],
+                            op->a[10]);
+            break;
+        case OP_DECODE_ATTENTION:
+            failed = plinth_decode_attention(P(0), op->a[1], P(2), P(3), op->a[4], P(5), P(6), op->a[7], op->a[8],
+                                             op->a[9], op->a[10], op->a[11], op->a[12], op->f[0], op->a[13],
+                                             op->f[1]);
+            break;
+        default:
+            return -(i + 1);
+        }
+        if (failed) return i + 1;
+    }
+    return 0;
+}
+#undef P

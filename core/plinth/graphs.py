@@ -1,0 +1,209 @@
+"""Decode steps as step graphs: record a batch size's kernel calls once, then replay them.
+
+At batch 1 on a CPU, the Python that issues a decode step's few hundred kernel calls costs about as
+much as their arithmetic. Where the backend can record its calls (:meth:`DeviceServices.
+begin_graph_capture`), the runner captures each decode batch-size bucket once, the first time it
+sees it, and from then on only refills fixed input buffers and replays the recording: the vLLM
+CUDA-graph scheme, with the same rules.
+
+* Only pure decode steps (one new token per sequence) of at most ``max(batch_sizes)`` sequences
+  use graphs; a batch is padded up to its bucket with rows that write no KV (slot -1) and attend
+  to one cached position of block 0, and whose outputs are dropped.
+* The graph starts after the embedding lookup (done here into the fixed input buffer) and ends
+  with the final norm; logits and sampling run as usual.
+* A kernels-only recorder (the CPU's) cannot record torch ops, so a capture during which a torch
+  op computed anything (views and allocations are fine) is discarded and that bucket runs eagerly
+  from then on. Every tensor made during a kept capture stays alive: replays write into them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from plinth.model.context import ForwardContext
+from plinth.platform.backend import AttentionMetadata, DeviceServices, StepGraph
+
+logger = logging.getLogger(__name__)
+
+#: Decode batch sizes captured (a batch runs in the smallest bucket that holds it).
+GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+#: Ops that compute nothing: a kernels-only capture may run them.
+_ALLOCATIONS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::detach", "aten::alias"})
+
+
+class GraphModel(Protocol):
+    """What graphs need of a model: the embedding, and the forward from embedded inputs."""
+
+    def embed(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def forward_embedded(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+
+class _ComputeGuard(TorchDispatchMode):
+    """Runs every torch op as usual, keeps its outputs alive, and notes the ops that computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computed: list[str] = []
+        self.keep: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.name().partition(".")[0] not in _ALLOCATIONS:
+            self.computed.append(func.name())
+        self.keep.append(out)
+        return out
+
+
+@dataclass
+class _Captured:
+    graph: StepGraph
+    output: torch.Tensor  # [bucket, hidden], rewritten by every replay
+    keep: list[Any]  # tensors the recorded calls read and write
+
+
+@dataclass
+class GraphStats:
+    """How decode steps ran: counts since the engine started."""
+
+    replays: int = 0
+    captures: int = 0
+    eager: int = 0  # decode steps too large for a bucket, or in a bucket that could not be captured
+
+
+class DecodeGraphs:
+    """Captures and replays pure decode steps, one graph per batch-size bucket.
+
+    :param model: the model (embedding + forward from embedded inputs).
+    :param services: the backend's device services (``begin_graph_capture``).
+    :param kv_caches: the per-layer KV caches every graph reads and writes.
+    :param block_size: KV block size.
+    :param max_blocks_per_seq: block-table width (context length / block size, rounded up).
+    :param hidden_size: the model's hidden size.
+    :param dtype: the model's activation dtype.
+    :param max_seq_len: the context length (the metadata's ``max_seq_len`` at capture).
+    :param batch_sizes: the buckets.
+    """
+
+    def __init__(
+        self,
+        model: GraphModel,
+        services: DeviceServices,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_blocks_per_seq: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        max_seq_len: int,
+        batch_sizes: Sequence[int] = GRAPH_BATCH_SIZES,
+    ) -> None:
+        self.model = model
+        self.services = services
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.stats = GraphStats()
+        self._graphs: dict[int, _Captured] = {}
+        self._eager: set[int] = set()  # buckets whose capture was discarded
+        dev = services.device
+        n = self.batch_sizes[-1]
+        # Fixed inputs, shared by every bucket's graph (a bucket of size b uses the first b rows).
+        self._ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self._positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self._slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self._block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self._hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The bucket a decode batch of ``num_seqs`` sequences runs in; None: too large, or the
+        bucket could not be captured (the step runs eagerly)."""
+        for b in self.batch_sizes:
+            if b >= num_seqs:
+                return None if b in self._eager else b
+        return None
+
+    def run(self, input_ids: list[int], positions: list[int], block_ids: Sequence[list[int]]) -> torch.Tensor:
+        """One decode step: token ``input_ids[i]`` of sequence i at ``positions[i]``, whose KV blocks
+        are ``block_ids[i]``. Returns the final hidden states [B, hidden] (valid until the next run).
+
+        The caller checks :meth:`bucket` first; a bucket whose capture is discarded still returns
+        this step's (eagerly computed) result.
+        """
+        b = len(input_ids)
+        bucket = self.bucket(b)
+        if bucket is None:
+            raise ValueError(f"no step graph bucket for a decode batch of {b}")
+        self._fill(input_ids, positions, block_ids, bucket)
+        captured = self._graphs.get(bucket)
+        if captured is None:
+            return self._capture(bucket)[:b]
+        captured.graph.replay()
+        self.stats.replays += 1
+        return captured.output[:b]
+
+    def _fill(self, input_ids: list[int], positions: list[int], block_ids: Sequence[list[int]], bucket: int) -> None:
+        b = len(input_ids)
+        pad = bucket - b
+        bs = self.block_size
+        slots = [ids[p // bs] * bs + p % bs for ids, p in zip(block_ids, positions, strict=True)]
+        self._ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad))
+        self._positions[:bucket].copy_(torch.tensor(positions + [0] * pad))
+        self._slots[:bucket].copy_(torch.tensor(slots + [-1] * pad))
+        self._seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
+        # rows only need the blocks up to their length; the rest of a row is never read
+        for i, (ids, p) in enumerate(zip(block_ids, positions, strict=True)):
+            n = p // bs + 1
+            self._block_tables[i, :n].copy_(torch.tensor(ids[:n], dtype=torch.int32))
+        if pad:
+            self._block_tables[b:bucket, 0] = 0
+        self.model.embed(self._ids[:bucket], out=self._hidden[:bucket])
+
+    def _context(self, bucket: int) -> ForwardContext:
+        meta = AttentionMetadata(
+            query_start_loc=self._query_start_loc[: bucket + 1],
+            seq_lens=self._seq_lens[:bucket],
+            block_tables=self._block_tables[:bucket],
+            slot_mapping=self._slots[:bucket],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_lens_host=[1] * bucket,
+            seq_lens_host=self._seq_lens[:bucket].tolist(),
+        )
+        return ForwardContext(meta, self.kv_caches)
+
+    def _capture(self, bucket: int) -> torch.Tensor:
+        ctx = self._context(bucket)
+        capture = self.services.begin_graph_capture()
+        if capture is None:  # the backend cannot record: every decode step runs eagerly
+            self._eager.update(self.batch_sizes)
+            logger.info("the backend offers no step graphs: decode steps run eagerly")
+            return self.model.forward_embedded(self._hidden[:bucket], self._positions[:bucket], ctx)
+        guard = _ComputeGuard() if capture.kernels_only else None
+        try:
+            if guard is not None:
+                with guard:
+                    output = self.model.forward_embedded(self._hidden[:bucket], self._positions[:bucket], ctx)
+            else:
+                output = self.model.forward_embedded(self._hidden[:bucket], self._positions[:bucket], ctx)
+        except BaseException:
+            capture.cancel()
+            raise
+        if guard is not None and guard.computed:
+            capture.cancel()
+            self._eager.add(bucket)
+            ops = ", ".join(sorted(set(guard.computed)))
+            logger.warning("decode batch %d runs without a step graph: the forward ran torch ops (%s)", bucket, ops)
+            return output
+        self._graphs[bucket] = _Captured(capture.finish(), output, guard.keep if guard is not None else [])
+        self.stats.captures += 1
+        return output
