@@ -346,8 +346,8 @@ class DeviceServices:
         return fn
 
     def begin_graph_capture(self) -> GraphCapture | None:
-        """Start recording kernel calls into a :class:`StepGraph`; None (the default) where the
-        backend cannot. The runner captures decode steps once per batch-size bucket and replays
+        """Start recording kernel calls into a :class:`StepGraph` (API 1.2); None (the default) where
+        the backend cannot. The runner captures decode steps once per batch-size bucket and replays
         them; a backend's kernels must then make the same calls for the same batch size (the
         choices they make on the host may depend on shapes, not on the values in the metadata).
         """

@@ -7,15 +7,19 @@ a thread is descheduled (see NATIVE_DENSE_MAX_ROWS). Other dtypes use ``F.linear
 ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
 pre-transposed.
 
-Quantized weights keep their GGUF blocks (never dequantized at load). Few rows: the native kernel
-unpacks each block in registers and multiplies it with the fp32 activations, so the result is the
-dequantized weight's product up to fp32 rounding. Many rows: each group of 3 weight rows is
-dequantized into a cache-resident buffer and multiplied with the fp32 register tiles; the
+Quantized weights keep their GGUF blocks (never dequantized at load). Few rows (decode): the
+native kernel unpacks each block in registers and multiplies it with the activations rounded to
+int16 per 32-block (``PLINTH_CPU_ACTIVATIONS``, default "int16"): exact integer products, and a
+rounding at most 2^-16 of the block's largest activation, which kept SmolLM2-135M's log-probs
+within 1.5e-3 nats of the dequantized fp32 model. Multiplying fp32 activations as given ("fp32")
+is exact up to fp32 rounding but slower: AVX2 has to convert every weight to float, and that, not
+memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into a
+cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
 dequantization is then a small share of the work. Prefill-sized products dequantize the whole
-weight into a reused scratch buffer (at most a few MB per layer) and go through ``F.linear``.
-``PLINTH_CPU_ACTIVATIONS=int8`` rounds activations to int8 per 32-block first on every path, as
-llama.cpp does: integer dot products, about 1.3x faster at batch 1, logits off by the rounding
-(measured up to 0.3 nats on SmolLM2-135M, enough to flip near-tied greedy choices).
+weight into a reused scratch buffer (at most a few MB per layer) and go through the dense path.
+"int8" rounds activations to int8 per 32-block first on every path, as llama.cpp does: logits
+off by the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip near-tied greedy
+choices).
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 #: thread is descheduled): 4.1x at 64 rows, 1.4x at 1024. The 64-request throughput workload ran
 #: 1.37x faster with every product native than with F.linear above 64 rows, side by side.
 NATIVE_DENSE_MAX_ROWS = 4096
-#: Activation handling for quantized weights: "fp32" (default) or "int8" (llama.cpp's rounding).
+#: Activation handling for quantized weights at few rows: "int16" (default), "fp32" or "int8".
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
+ACTIVATION_MODES = ("int16", "fp32", "int8")
 
 #: Quantized products up to this many rows dequantize 3 weight rows at a time (per 32-row block of
 #: activations); above, the whole weight is dequantized once into scratch.
@@ -49,17 +54,17 @@ NATIVE_QUANT_MAX_ROWS = 16
 class CpuGemm(GemmKernels):
     """``x @ w.T + b`` in one compute dtype; ``native`` kernels where available (else torch only)."""
 
-    def __init__(
-        self, dtype: torch.dtype, native: NativeKernels | None = None, int8_activations: bool | None = None
-    ) -> None:
+    def __init__(self, dtype: torch.dtype, native: NativeKernels | None = None, activations: str | None = None) -> None:
         self.dtype = dtype
         self.native = native
-        if int8_activations is None:
-            mode = os.environ.get(ACTIVATIONS_ENV, "fp32")
-            if mode not in ("fp32", "int8"):
-                raise ValueError(f"{ACTIVATIONS_ENV}={mode!r}: expected 'fp32' or 'int8'")
-            int8_activations = mode == "int8"
-        self.int8_activations = int8_activations
+        if activations is None:
+            activations = os.environ.get(ACTIVATIONS_ENV, "int16")
+            where = f"{ACTIVATIONS_ENV}={activations!r}"
+        else:
+            where = f"activations={activations!r}"
+        if activations not in ACTIVATION_MODES:
+            raise ValueError(f"{where}: expected one of {', '.join(ACTIVATION_MODES)}")
+        self.activations = activations
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
@@ -110,9 +115,9 @@ class CpuGemm(GemmKernels):
         n = weight.out_features
         m = x.shape[0]
         if m <= NATIVE_QUANT_MAX_ROWS:
-            y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n, int8=self.int8_activations)
-        else:  # the same activations as the few-row path
-            if self.int8_activations:
+            y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n, activations=self.activations)
+        else:  # fp32 activations, or int8 as in the few-row path
+            if self.activations == "int8":
                 xf = native.round_trip_q8(xf)
             if m <= DEQUANT_ROWS_MAX_ROWS:  # fp32 tiles on 3 rows dequantized at a time
                 y = native.gemm_dequant(weight.format, xf, blocks, weight.bias, n)

@@ -85,14 +85,16 @@ def test_default_model_matches_transformers(hf_smollm2: Any, backend: str) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("activations", ["int16", "fp32", "int8"])
 def test_default_model_native_q4_1(activations: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cpu backend keeps the GGUF's q4_1/q8_0 weights in their blocks.
 
-    With fp32 activations (the default) it computes the dequantized model's logits up to fp32
-    rounding. With ``PLINTH_CPU_ACTIVATIONS=int8`` (llama.cpp's scheme) the logits move by the
-    activation rounding: top candidates stay, log-probabilities within 0.5 nats (measured
-    0.05-0.32), and greedy text follows fp32 until two candidates are closer than that.
+    With fp32 activations it computes the dequantized model's logits up to fp32 rounding; with
+    int16 activations (the default) log-probabilities stay within 5e-3 nats of that (measured
+    1.5e-3; int8's rounding is 256x coarser). With
+    ``PLINTH_CPU_ACTIVATIONS=int8`` (llama.cpp's scheme) the logits move by the activation
+    rounding: top candidates stay, log-probabilities within 0.5 nats (measured 0.05-0.32), and
+    greedy text follows fp32 until two candidates are closer than that.
     """
     monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", activations)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
@@ -111,5 +113,7 @@ def test_default_model_native_q4_1(activations: str, monkeypatch: pytest.MonkeyP
         worst = max(abs(mine[t] - theirs[t]) for t in shared)
         if activations == "fp32":
             assert list(mine) == list(theirs) and worst < 1e-3
+        elif activations == "int16":  # measured 1.5e-3: an outlier in a block coarsens its rounding
+            assert list(mine) == list(theirs) and worst < 5e-3
         else:
             assert len(shared) >= 2 and worst < 0.5  # runners-up may swap places, not vanish

@@ -14,7 +14,7 @@ from plinth.quant import QuantizedWeight, dequantize, quantize_q8_0
 from plinth_cpu import native as native_mod
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
 from plinth_cpu.gemm import DEQUANT_ROWS_MAX_ROWS, NATIVE_QUANT_MAX_ROWS, CpuGemm
-from plinth_cpu.native import NativeKernels, native, native_status
+from plinth_cpu.native import GRAPH_OPS, GraphError, NativeGraph, NativeKernels, native, native_status
 from plinth_cpu.ops import CpuOps
 
 
@@ -42,6 +42,13 @@ def nk() -> NativeKernels:
     return kernels
 
 
+@pytest.fixture
+def recording(nk: NativeKernels):  # noqa: ANN201
+    """The kernels, never left recording by a test (they are the process-wide instance)."""
+    yield nk
+    nk.cancel_recording()
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request: pytest.FixtureRequest, nk: NativeKernels):  # noqa: ANN201
     before = nk.num_threads()
@@ -60,11 +67,12 @@ def _q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
     return QuantizedWeight("q4_1", n, k, blocks.reshape(n, -1).contiguous())
 
 
-def _activation_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """|x @ w.T - xq @ w.T| <= sum_k |w_k| * amax(block of k) / 254: the int8 activation rounding."""
+def _activation_error_bound(x: torch.Tensor, w: torch.Tensor, levels: int = 127) -> torch.Tensor:
+    """|x @ w.T - xq @ w.T| <= sum_k |w_k| * amax(block of k) / (2 levels): the rounding of
+    activations to integers in [-levels, levels] per 32-block (int8: 127, int16: 32767)."""
     M, K = x.shape
-    half_step = x.view(M, K // 32, 32).abs().amax(-1, keepdim=True).expand(M, K // 32, 32).reshape(M, K) / 254
-    return half_step @ w.abs().t() * 1.001 + 1e-5
+    half_step = x.view(M, K // 32, 32).abs().amax(-1, keepdim=True).expand(M, K // 32, 32).reshape(M, K)
+    return (half_step / (2 * levels)) @ w.abs().t() * 1.001 + 1e-5
 
 
 @needs_native
@@ -79,36 +87,45 @@ def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int
 
 
 @needs_native
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32_act", "int8_act"])
+@pytest.mark.parametrize("activations", ["fp32", "int16", "int8"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3, DEQUANT_ROWS_MAX_ROWS + 5])
-def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, int8: bool) -> None:
-    """fp32 activations: the dequantized weight's product. int8 activations: within the rounding
-    bound. Either way on both paths (few rows: per-block kernel; many: dequantized rows), and a
-    row's result does not depend on the batch size."""
+def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, activations: str) -> None:
+    """fp32 activations: the dequantized weight's product. int16/int8 activations (int16 on the
+    few-row path only): within the rounding bound. On both paths (few rows: per-block kernel;
+    many: dequantized rows), and a row's result does not depend on the batch size beyond that."""
     gen = torch.Generator().manual_seed(7)
     n, k = 40, 128
     qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
     w = dequantize(qw)
     b = torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen)
-    gemm = CpuGemm(torch.float32, nk, int8_activations=int8)
+    gemm = CpuGemm(torch.float32, nk, activations=activations)
     prepared = gemm.prepare_quantized(qw, b)
     assert prepared.format == fmt and prepared.weight is None  # never dequantized at load
     y = gemm.linear(x, prepared)
     ref = F.linear(x.double(), w.double(), b.double()).float()
-    if int8:
+    row = gemm.linear(x[:1], prepared)
+    if activations == "int8":
         assert ((y - ref).abs() <= _activation_error_bound(x, w)).all()
         assert (y - ref).abs().max() > 1e-4  # really rounded activations
-    else:
+        torch.testing.assert_close(y[:1], row, rtol=1e-5, atol=1e-5)
+    elif activations == "int16" and m <= NATIVE_QUANT_MAX_ROWS:
+        err = (y - ref).abs()
+        assert (err <= _activation_error_bound(x, w, levels=32767)).all()
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=2e-3)
+        torch.testing.assert_close(y[:1], row, rtol=1e-5, atol=1e-5)
+    else:  # fp32, and int16 past the few-row path: the dequantized weight's product
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
-    row = gemm.linear(x[:1], prepared)
-    torch.testing.assert_close(y[:1], row, rtol=1e-5, atol=1e-5)
+        bound = _activation_error_bound(x[:1], w, levels=32767) if activations == "int16" else 1e-4
+        assert ((y[:1] - row).abs() <= bound).all()  # row alone: int16 path
 
 
 def test_activation_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PLINTH_CPU_ACTIVATIONS", raising=False)
+    assert CpuGemm(torch.float32).activations == "int16"
     monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "int8")
-    assert CpuGemm(torch.float32).int8_activations
+    assert CpuGemm(torch.float32).activations == "int8"
     monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "fp16")
     with pytest.raises(ValueError, match="PLINTH_CPU_ACTIVATIONS='fp16'"):
         CpuGemm(torch.float32)
@@ -258,3 +275,141 @@ def test_pool_works_in_a_forked_child(nk: NativeKernels) -> None:
     with ctx.Pool(1) as pool:
         got = pool.apply(_gemm_in_child, (x, w))
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+# -- step graphs -------------------------------------------------------------------------------------
+
+
+class _GraphInputs:
+    """Fixed buffers for one call of each recordable op, refillable in place (as a step graph's are)."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.gen = gen
+        self.spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, block_size=4)
+        T, H, Hk, D = 3, 4, 2, 32
+        self.x = torch.empty(T, 64)  # gemm / rms_norm / quantized gemm activations
+        self.residual = torch.empty(T, 64)
+        self.gate_up = torch.empty(T, 2 * 48)
+        self.qkv = torch.empty(T, (H + 2 * Hk) * D)  # q, k, v are strided views, as the model passes them
+        self.positions = torch.empty(T, dtype=torch.long)
+        self.slots = torch.empty(T, dtype=torch.long)
+        self.block_tables = torch.empty(T, 4, dtype=torch.int32)
+        self.seq_lens = torch.empty(T, dtype=torch.int32)
+        self.cache = torch.zeros(CPU_KV_LAYOUT.shape(16, 4, Hk, D))
+        # weights: fixed for the graph's life
+        self.w = torch.randn(40, 64, generator=gen)
+        self.bias = torch.randn(40, generator=gen)
+        self.norm_w = torch.randn(64, generator=gen)
+        freqs = torch.arange(64.0)[:, None] * torch.rand(8, generator=gen)[None]
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # rotary_dim 16 < head 32
+        self.q4 = _q4_1(40, 64, gen)
+        self.q8 = quantize_q8_0(torch.randn(24, 64, generator=gen))
+        self.refill()
+
+    def refill(self) -> None:
+        """New values in every input buffer, in place; each sequence's new token in another block."""
+        gen = self.gen
+        for t in (self.x, self.residual, self.gate_up, self.qkv):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        lens = torch.randint(1, 13, (3,), generator=gen)  # up to 3 blocks of 4
+        tables = torch.stack([torch.randperm(15, generator=gen)[:4] + 1 for _ in range(3)])  # block 0 unused
+        self.seq_lens.copy_(lens)
+        self.block_tables.copy_(tables)
+        self.positions.copy_(lens - 1)
+        pos = lens - 1
+        self.slots.copy_(tables[torch.arange(3), pos // 4] * 4 + pos % 4)
+        self.slots[1] = -1  # a padding row: writes nothing
+
+    def run(self, nk: NativeKernels, cache: torch.Tensor, residual: torch.Tensor) -> list[torch.Tensor]:
+        """One call of each op, in a step's order (the KV write before the attention that reads it)."""
+        H, Hk, D = 4, 2, 32
+        q = self.qkv[:, : H * D].view(3, H, D)
+        k = self.qkv[:, H * D : (H + Hk) * D].view(3, Hk, D)
+        v = self.qkv[:, (H + Hk) * D :].view(3, Hk, D)
+        out = [
+            nk.gemm_f32(self.x, self.w, self.bias),
+            nk.rms_norm(self.x, self.norm_w, 1e-5, residual=residual),
+            nk.silu_and_mul(self.gate_up),
+            nk.rotary(q, self.positions, self.cos_sin, 16),
+        ]
+        nk.write_kv(k, v, cache, self.slots)
+        out += [
+            nk.decode_attention(out[-1], cache, self.block_tables, self.seq_lens, 0.2, None, None),
+            nk.gemm_quant("q4_1", self.x, self.q4.blocks, self.bias, 40),
+            nk.gemm_quant("q8_0", self.x, self.q8.blocks, None, 24),
+        ]
+        return out
+
+
+@needs_native
+def test_recorded_calls_replay_over_refilled_inputs(threads: int, recording: NativeKernels) -> None:
+    """A replay computes exactly what fresh calls on the refilled inputs compute, into the recorded
+    outputs, and updates the recorded residual and cache in place (skipping slot -1)."""
+    nk = recording
+    inputs = _GraphInputs(torch.Generator().manual_seed(21))
+    nk.begin_recording()
+    outputs = inputs.run(nk, inputs.cache, inputs.residual)  # the calls run while recording
+    graph = nk.end_recording()
+    expected_names = ["gemm_f32", "rms_norm", "silu_and_mul", "rotary", "write_kv", "decode_attention"]
+    assert graph.names == [f"plinth_{n}" for n in expected_names + ["gemm_quant"] * 2]
+    assert len(graph) == 8 and set(graph.names) <= set(GRAPH_OPS)
+    torch.testing.assert_close(outputs[0], F.linear(inputs.x, inputs.w, inputs.bias), rtol=1e-5, atol=1e-5)
+
+    for _ in range(3):
+        before, cache_before = [o.clone() for o in outputs], inputs.cache.clone()
+        inputs.refill()
+        cache, residual = inputs.cache.clone(), inputs.residual.clone()
+        expected = inputs.run(nk, cache, residual)  # eager, on copies of the state the replay updates
+        graph.replay()
+        names = [n for n in expected_names if n != "write_kv"] + ["gemm_quant"] * 2
+        for name, got, want, old in zip(names, outputs, expected, before, strict=True):
+            assert torch.equal(got, want), f"{name}: the replay differs from a fresh call"
+            assert not torch.equal(got, old), f"{name}: the replay left its output as it was"
+        assert torch.equal(inputs.residual, residual)
+        assert torch.equal(inputs.cache, cache) and not torch.equal(inputs.cache, cache_before)
+
+
+@needs_native
+def test_unrecordable_calls_and_nested_recording_are_refused(recording: NativeKernels) -> None:
+    nk = recording
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    nk.begin_recording()
+    with pytest.raises(GraphError, match="plinth_set_num_threads cannot be recorded"):
+        nk.set_num_threads(2)
+    with pytest.raises(GraphError, match="plinth_read_probe cannot be recorded"):
+        nk.read_probe(torch.rand(4096))
+    with pytest.raises(GraphError, match="already recording"):
+        nk.begin_recording()
+    nk.gemm_f32(x, w, None)
+    nk.cancel_recording()
+    # calls run normally again, and the cancelled call is in no later graph
+    assert nk.num_threads() >= 1
+    with pytest.raises(GraphError, match="no step graph is recording"):
+        nk.end_recording()
+    nk.begin_recording()
+    nk.silu_and_mul(torch.randn(2, 16))
+    assert nk.end_recording().names == ["plinth_silu_and_mul"]
+    nk.cancel_recording()  # not recording: a no-op
+    torch.testing.assert_close(nk.gemm_f32(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_replay_names_a_call_the_library_does_not_know(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recorded kind the library lacks (a Python table out of step with the library) is reported
+    with its index and name; the calls before it ran."""
+    x = torch.randn(2, 32)
+    out = torch.zeros(2, 16)
+    y = torch.zeros(2, 8)
+    w = torch.randn(8, 16)
+    monkeypatch.setitem(GRAPH_OPS, "plinth_gemm_f32", 99)
+    graph = NativeGraph(
+        nk.lib,
+        [
+            ("plinth_silu_and_mul", (x.data_ptr(), out.data_ptr(), 2, 16)),
+            ("plinth_gemm_f32", (out.data_ptr(), w.data_ptr(), None, y.data_ptr(), 2, 8, 16)),
+        ],
+    )
+    with pytest.raises(GraphError, match=r"call 1 \(plinth_gemm_f32\) is of a kind the library does not know"):
+        graph.replay()
+    torch.testing.assert_close(out, SmallOps().silu_and_mul(x))
+    assert y.eq(0).all()

@@ -1,0 +1,82 @@
+"""Decode step graphs in the engine: the same tokens as eager steps, and --enforce-eager turns them off."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from engine_helpers import save_tiny_folder
+
+from plinth import LLM, SamplingParams
+from plinth.config import EngineConfig
+from plinth.engine_args import add_engine_arguments, engine_options
+from plinth_cpu.native import native, native_status
+
+PROMPTS = [
+    "The quick brown fox",
+    "A",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "1, 1, 2, 3, 5, 8, 13,",
+    "Once upon a time, in a land far away, there lived a dragon who",
+    "SELECT name, age FROM users WHERE",
+]
+# different lengths: the decode batch shrinks from 6 through buckets 8, 4, 2 and 1 as requests finish
+MAX_TOKENS = [40, 7, 23, 12, 31, 3]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_folder("llama", path)
+    return path
+
+
+@pytest.mark.skipif(native() is None, reason=native_status())
+@pytest.mark.parametrize("quantization", ["none", "int8"])  # int8: q8_0 weights, quantized GEMMs in the graphs
+def test_graphs_generate_the_eager_tokens(folder: Path, quantization: str) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(
+            model=str(folder),
+            backend="cpu",
+            num_kv_blocks=128,
+            block_size=16,
+            quantization=quantization,
+            enforce_eager=eager,
+        )
+        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert llm.engine.model.layers[0].mlp.gate_up_proj.weight.format == (
+            "q8_0" if quantization == "int8" else "dense"
+        )
+        graphs = llm.engine.runner.graphs
+        if eager:
+            assert graphs is None
+        else:
+            assert graphs is not None
+            assert graphs.stats.captures >= 4 and graphs.stats.replays > 0  # buckets 8, 4, 2, 1 at least
+            assert graphs.stats.replays + graphs.stats.captures >= max(MAX_TOKENS) - 1
+            assert graphs.stats.eager == 0
+    assert [len(t) for t in outputs[False]] == MAX_TOKENS
+    assert outputs[False] == outputs[True]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native() is None, reason=native_status())
+def test_graphs_generate_the_eager_tokens_on_the_default_model() -> None:
+    """SmolLM2's q4_1 weights (quantized GEMMs in the graphs), 30 layers: about 5 s."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 5, 16, 9)]
+    outputs = []
+    for eager in (False, True):
+        llm = LLM(backend="cpu", max_model_len=512, enforce_eager=eager)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)])
+    assert llm.engine.model.layers[0].mlp.gate_up_proj.weight.format == "q4_1"
+    assert outputs[0] == outputs[1]
+
+
+def test_enforce_eager_option() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert EngineConfig(**engine_options(parser.parse_args(["--enforce-eager"]))).enforce_eager is True
+    assert EngineConfig(**engine_options(parser.parse_args([]))).enforce_eager is False
