@@ -210,14 +210,20 @@ def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen
 @pytest.mark.parametrize(
     "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
 )
+@pytest.mark.parametrize("block_size", [4, 16])  # 16: eight positions of a page at a time
 def test_decode_attention_matches_torch_path(
-    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int
+    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int
 ) -> None:
     gen = torch.Generator().manual_seed(11)
     spec = AttentionSpec(
-        num_heads=2 * group, num_kv_heads=2, head_size=32, block_size=4, sliding_window=window, logits_soft_cap=soft_cap
+        num_heads=2 * group,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=block_size,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
     )
-    seq_lens = [1, 6, 13, 4]
+    seq_lens = [1, 6, 13, 4] if block_size == 4 else [1, 9, 37, 16, 70]
     cache, meta = _decode_batch(seq_lens, spec, 32, gen)
     q = torch.randn(len(seq_lens), spec.num_heads, 32, generator=gen)
     got = CpuAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)

@@ -63,6 +63,36 @@ _Static_assert(sizeof(block_q4_1) == 20, "Q4_1 block is 20 bytes");
 
 static inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 
+/* e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^r by a
+ * degree-6 polynomial, 2^n into the exponent bits. Relative error about 2 ulp; x < -87.3 gives
+ * 0 (including -inf), x > 88.3 gives +inf, NaN stays NaN. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447505531f);
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n: n in [-126, 127] after the clamp; build it in two halves so n = 128 cannot overflow */
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i half = _mm256_srai_epi32(ni, 1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    y = _mm256_andnot_ps(under, y);
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
+    return _mm256_blendv_ps(y, x, nan);
+}
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -861,7 +891,14 @@ static void silu_range(void *p, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
         const float *g = c->x + t * 2 * c->I, *u = g + c->I;
         float *o = c->out + t * c->I;
-        for (int64_t i = 0; i < c->I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+        for (; i + 8 <= c->I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < c->I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
@@ -947,6 +984,34 @@ typedef struct {
     _Atomic int failed;
 } attn_ctx;
 
+/* [sum(a0), ..., sum(a7)] */
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                             __m256 a7) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [s0 s1 s2 s3 | s0 s1 s2 s3] halves */
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Scores of query q against the 8 key rows at k (consecutive positions of one page, D apart). */
+static inline __m256 dot8(const float *q, const float *k, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * D + d), a7);
+    }
+    return hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+/* One (sequence, kv head) per item: the group's query heads against the sequence's keys, eight
+ * positions of a page at a time where the block size is a multiple of 8, softmax with a vector exp, then
+ * the weighted sum of values with each 64-wide slice of the output kept in registers. */
 static void decode_attention_range(void *p, int64_t begin, int64_t end) {
     attn_ctx *c = (attn_ctx *)p;
     int64_t H = c->H, Hk = c->Hk, D = c->D, bs = c->bs, group = H / Hk;
@@ -956,44 +1021,71 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
         int64_t len = c->seq_lens[b];
         int64_t first = (c->window > 0 && len > c->window) ? len - c->window : 0;
         int64_t n = len - first;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)((n + 1) * group));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(n * group + 8));
         if (!scores) {
             atomic_store(&c->failed, 1);
             return;
         }
-        float *maxs = scores + n * group;
         const float *qb = c->q + b * c->sq + kh * group * D;
         const int32_t *table = c->block_tables + b * c->max_blocks;
-        for (int64_t g = 0; g < group; g++) maxs[g] = -INFINITY;
-        for (int64_t pos = first; pos < len; pos++) {
-            const float *kr = c->cache + (((int64_t)table[pos / bs] * Hk + kh) * bs + pos % bs) * D;
-            for (int64_t g = 0; g < group; g++) {
-                float s = dot1(qb + g * D, kr, D) * c->scale;
-                if (c->soft_cap > 0.0f) s = c->soft_cap * tanhf(s / c->soft_cap);
-                scores[g * n + (pos - first)] = s;
-                if (s > maxs[g]) maxs[g] = s;
+#define ROW(cache, pos) ((cache) + (((int64_t)table[(pos) / bs] * Hk + kh) * bs + (pos) % bs) * D)
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = qb + g * D;
+            float *sg = scores + g * n - first; /* sg[pos] for pos in [first, len) */
+            int64_t pos = first;
+            if (bs % 8 == 0) { /* eight positions of one page at a time */
+                for (; pos < len && pos % 8; pos++) sg[pos] = dot1(qg, ROW(c->cache, pos), D);
+                for (; pos + 8 <= len; pos += 8) _mm256_storeu_ps(sg + pos, dot8(qg, ROW(c->cache, pos), D));
             }
+            for (; pos < len; pos++) sg[pos] = dot1(qg, ROW(c->cache, pos), D);
         }
         for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * n, total = 0.0f;
-            for (int64_t i = 0; i < n; i++) {
-                sg[i] = expf(sg[i] - maxs[g]);
-                total += sg[i];
+            float *sg = scores + g * n;
+            int64_t i = 0;
+            __m256 scale = _mm256_set1_ps(c->scale), vmax = _mm256_set1_ps(-INFINITY);
+            if (c->soft_cap > 0.0f) {
+                for (i = 0; i < n; i++) sg[i] = c->soft_cap * tanhf(sg[i] * c->scale / c->soft_cap);
+            } else {
+                for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(sg + i, _mm256_mul_ps(_mm256_loadu_ps(sg + i), scale));
+                for (; i < n; i++) sg[i] *= c->scale;
             }
-            float inv = 1.0f / total;
-            for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+            for (i = 0; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i));
+            float m = -INFINITY, tail[8];
+            _mm256_storeu_ps(tail, vmax);
+            for (int j = 0; j < 8; j++) m = tail[j] > m ? tail[j] : m;
+            for (; i < n; i++) m = sg[i] > m ? sg[i] : m;
+            __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+            float total = 0.0f;
+            for (i = 0; i + 8 <= n; i += 8) {
+                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
+                _mm256_storeu_ps(sg + i, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            for (; i < n; i++) total += sg[i] = expf(sg[i] - m);
+            __m256 inv = _mm256_set1_ps(1.0f / (total + hsum256(vsum)));
+            for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(sg + i, _mm256_mul_ps(_mm256_loadu_ps(sg + i), inv));
+            for (; i < n; i++) sg[i] *= _mm256_cvtss_f32(inv);
         }
         float *ob = c->out + (b * H + kh * group) * D; /* the group's heads are adjacent rows */
-        memset(ob, 0, sizeof(float) * (size_t)(group * D));
-        for (int64_t pos = first; pos < len; pos++) {
-            const float *vr = vcache + (((int64_t)table[pos / bs] * Hk + kh) * bs + pos % bs) * D;
-            for (int64_t g = 0; g < group; g++) {
-                __m256 w = _mm256_set1_ps(scores[g * n + (pos - first)]);
-                float *o = ob + g * D;
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(o + d)));
+        for (int64_t g = 0; g < group; g++) {
+            const float *sg = scores + g * n - first;
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                int64_t w = D - d0 < 64 ? D - d0 : 64; /* a multiple of 8 */
+                __m256 o[8];
+                for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
+                for (int64_t pos = first; pos < len; pos++) {
+                    const float *vr = ROW(vcache, pos) + d0;
+                    __m256 pw = _mm256_set1_ps(sg[pos]);
+                    if (w == 64) {
+                        for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
+                    } else {
+                        for (int j = 0; j < w / 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
+                    }
+                }
+                for (int j = 0; j < w / 8; j++) _mm256_storeu_ps(ob + g * D + d0 + 8 * j, o[j]);
             }
         }
+#undef ROW
         free(scores);
     }
 }
