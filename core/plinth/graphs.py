@@ -49,6 +49,12 @@ class GraphModel(Protocol):
 class _ComputeGuard(TorchDispatchMode):
     """Runs every torch op as usual, keeps its outputs alive, and notes the ops that computed."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # True (torch's default) wraps __torch_dispatch__ in torch._disable_dynamo, whose first
+        # call imports torch._dynamo: 2.3 s here. Nothing in a capture is compiled.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.computed: list[str] = []
