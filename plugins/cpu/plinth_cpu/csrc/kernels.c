@@ -992,6 +992,12 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* Pages are scattered 4 KiB-ish tiles: the hardware prefetcher does not cross into the next one. */
+static inline void prefetch_page(const float *page, int64_t floats) {
+    const char *p = (const char *)page, *end = (const char *)(page + floats);
+    for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
 /* Scores of query q against the 8 key rows at k (consecutive positions of one page, D apart). */
 static inline __m256 dot8(const float *q, const float *k, int64_t D) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -1010,8 +1016,8 @@ static inline __m256 dot8(const float *q, const float *k, int64_t D) {
 }
 
 /* One (sequence, kv head) per item: the group's query heads against the sequence's keys, eight
- * positions of a page at a time where the block size is a multiple of 8, softmax with a vector exp, then
- * the weighted sum of values with each 64-wide slice of the output kept in registers. */
+ * positions of a page at a time where the block size is a multiple of 8, softmax with a vector exp,
+ * then the weighted sum of values page by page. */
 static void decode_attention_range(void *p, int64_t begin, int64_t end) {
     attn_ctx *c = (attn_ctx *)p;
     int64_t H = c->H, Hk = c->Hk, D = c->D, bs = c->bs, group = H / Hk;
@@ -1029,16 +1035,20 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
         const float *qb = c->q + b * c->sq + kh * group * D;
         const int32_t *table = c->block_tables + b * c->max_blocks;
 #define ROW(cache, pos) ((cache) + (((int64_t)table[(pos) / bs] * Hk + kh) * bs + (pos) % bs) * D)
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qb + g * D;
-            float *sg = scores + g * n - first; /* sg[pos] for pos in [first, len) */
-            int64_t pos = first;
-            if (bs % 8 == 0) { /* eight positions of one page at a time */
-                for (; pos < len && pos % 8; pos++) sg[pos] = dot1(qg, ROW(c->cache, pos), D);
-                for (; pos + 8 <= len; pos += 8) _mm256_storeu_ps(sg + pos, dot8(qg, ROW(c->cache, pos), D));
+        /* scores: positions outer, the group's heads inner, so a page's keys are read from memory
+         * once and stay in L1 for every head of the group */
+        int64_t pos = first;
+        if (bs % 8 == 0) { /* eight positions of one page at a time */
+            for (; pos < len && pos % 8; pos++)
+                for (int64_t g = 0; g < group; g++) scores[g * n + pos - first] = dot1(qb + g * D, ROW(c->cache, pos), D);
+            for (; pos + 8 <= len; pos += 8) {
+                const float *k8 = ROW(c->cache, pos);
+                if (pos % bs == 0 && pos + bs < len) prefetch_page(ROW(c->cache, pos + bs), bs * D);
+                for (int64_t g = 0; g < group; g++) _mm256_storeu_ps(scores + g * n + pos - first, dot8(qb + g * D, k8, D));
             }
-            for (; pos < len; pos++) sg[pos] = dot1(qg, ROW(c->cache, pos), D);
         }
+        for (; pos < len; pos++)
+            for (int64_t g = 0; g < group; g++) scores[g * n + pos - first] = dot1(qb + g * D, ROW(c->cache, pos), D);
         for (int64_t g = 0; g < group; g++) {
             float *sg = scores + g * n;
             int64_t i = 0;
@@ -1067,23 +1077,33 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
             for (; i < n; i++) sg[i] *= _mm256_cvtss_f32(inv);
         }
         float *ob = c->out + (b * H + kh * group) * D; /* the group's heads are adjacent rows */
-        for (int64_t g = 0; g < group; g++) {
-            const float *sg = scores + g * n - first;
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                int64_t w = D - d0 < 64 ? D - d0 : 64; /* a multiple of 8 */
-                __m256 o[8];
-                for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
-                for (int64_t pos = first; pos < len; pos++) {
-                    const float *vr = ROW(vcache, pos) + d0;
-                    __m256 pw = _mm256_set1_ps(sg[pos]);
-                    if (w == 64) {
-                        for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
-                    } else {
-                        for (int j = 0; j < w / 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
+        memset(ob, 0, sizeof(float) * (size_t)(group * D));
+        /* values: one page's run of positions at a time (read from memory once, in L1 for every
+         * head), each 64-wide slice of a head's output accumulated in registers over the run */
+        for (int64_t p0 = first; p0 < len;) {
+            int64_t p1 = (p0 / bs + 1) * bs < len ? (p0 / bs + 1) * bs : len;
+            const float *v0 = ROW(vcache, p0); /* positions p0..p1 are consecutive rows of one page */
+            if (p1 < len) prefetch_page(ROW(vcache, p1), bs * D);
+            for (int64_t g = 0; g < group; g++) {
+                const float *sg = scores + g * n - first;
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                    int64_t w = D - d0 < 64 ? D - d0 : 64; /* a multiple of 8 */
+                    float *og = ob + g * D + d0;
+                    __m256 o[8];
+                    for (int j = 0; j < w / 8; j++) o[j] = _mm256_loadu_ps(og + 8 * j);
+                    for (int64_t pos = p0; pos < p1; pos++) {
+                        const float *vr = v0 + (pos - p0) * D + d0;
+                        __m256 pw = _mm256_set1_ps(sg[pos]);
+                        if (w == 64) {
+                            for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
+                        } else {
+                            for (int j = 0; j < w / 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
+                        }
                     }
+                    for (int j = 0; j < w / 8; j++) _mm256_storeu_ps(og + 8 * j, o[j]);
                 }
-                for (int j = 0; j < w / 8; j++) _mm256_storeu_ps(ob + g * D + d0 + 8 * j, o[j]);
             }
+            p0 = p1;
         }
 #undef ROW
         free(scores);
