@@ -76,8 +76,8 @@ def _activation_error_bound(x: torch.Tensor, w: torch.Tensor, levels: int = 127)
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 3, 8, 45])
-@pytest.mark.parametrize("n", [13, 96])
+@pytest.mark.parametrize("m", [1, 3, 8, 45, 256, 263])  # 256+: 16-row packed panels, 6-row tiles and tails
+@pytest.mark.parametrize("n", [13, 96, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(m * 100 + n)
