@@ -129,6 +129,19 @@ class _Batch:
     def tokens(self, n: int) -> list[int]:
         return torch.randint(0, VOCAB, (n,), generator=self.gen).tolist()
 
+    def runner(self, model: Any, backend: Backend, graphs: DecodeGraphs) -> ModelRunner:
+        """A runner over the graph caches that uses ``graphs``."""
+        attn = model.layers[0].self_attn.attn_kernels
+        return ModelRunner(model, self.graph_caches, attn, backend.device_services(), BLOCK, graphs=graphs)
+
+    def scheduled(self, rows: list[int], ids: list[list[int]]) -> SchedulerOutput:
+        """A step computing tokens ``ids[j]`` of sequence ``rows[j]`` after its cached ones."""
+        reqs = [
+            ScheduledRequest(Request(f"r{i}", [1], StopCriteria(8)), t, self.lens[i], self.tables[i], 0)
+            for i, t in zip(rows, ids, strict=True)
+        ]
+        return SchedulerOutput(reqs, num_batched_tokens=sum(len(t) for t in ids))
+
     def step(self, model: Any, graphs: DecodeGraphs, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode of sequences ``rows`` by the graphs and eagerly: (graph, eager) hidden states."""
         ids = self.tokens(len(rows))
@@ -237,23 +250,10 @@ def test_a_capture_that_ran_torch_compute_is_discarded(
         graphs.run([1, 2, 3], [9, 9, 9], data.tables[:3])
 
     # the runner runs bucket 4's decodes eagerly and counts them; prefills are not decode steps
-    runner = ModelRunner(
-        model,
-        data.graph_caches,
-        model.layers[0].self_attn.attn_kernels,
-        backend.device_services(),
-        BLOCK,
-        graphs=graphs,
-    )
+    runner = data.runner(model, backend, graphs)
 
     def scheduled(rows: list[int], n_tokens: int = 1) -> SchedulerOutput:
-        reqs = [
-            ScheduledRequest(
-                Request(f"r{i}", [1], StopCriteria(8)), data.tokens(n_tokens), data.lens[i], data.tables[i], 0
-            )
-            for i in rows
-        ]
-        return SchedulerOutput(reqs, num_batched_tokens=n_tokens * len(rows))
+        return data.scheduled(rows, [data.tokens(n_tokens) for _ in rows])
 
     assert runner.execute(scheduled([0, 1, 2])) == {}
     assert graphs.stats.eager == 1
@@ -279,23 +279,13 @@ def test_a_backend_without_step_graphs_runs_every_step_eagerly(folder: Path) -> 
     assert _written_slots(before, data.graph_caches, backend) == expected_slots
     assert all(graphs.bucket(n) is None for n in (1, 2, 3, 32))
 
-    runner = ModelRunner(
-        model,
-        data.graph_caches,
-        model.layers[0].self_attn.attn_kernels,
-        backend.device_services(),
-        BLOCK,
-        graphs=graphs,
-    )
+    runner = data.runner(model, backend, graphs)
     for rows in ([0], [0, 1, 2, 3]):
         ids = data.tokens(len(rows))
-        reqs = [
-            ScheduledRequest(Request(f"r{i}", [1], StopCriteria(8)), [t], data.lens[i], data.tables[i], 0)
-            for i, t in zip(rows, ids, strict=True)
-        ]
+        step = data.scheduled(rows, [[t] for t in ids])
         before = [c.clone() for c in data.graph_caches]
         expected_slots = data.slots(rows)
-        runner.execute(SchedulerOutput(reqs, num_batched_tokens=len(rows)))
+        runner.execute(step)
         positions, tables = [data.lens[i] for i in rows], [data.tables[i] for i in rows]
         _eager(model, data.eager_caches, [[t] for t in ids], positions, tables)
         for i in rows:

@@ -638,50 +638,6 @@ static void quantize_block_q16x(const float *v, block_q16_x *out) {
     out->s = hsum256(sum);
 }
 
-static float row_dot_q4_1_i16(const block_q4_1 *w, const block_q16_x *x, int64_t nb) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    float ms0 = 0.0f, ms1 = 0.0f;
-    int64_t b = 0;
-#define Q4I16(b)                                                                                                  \
-    _mm256_cvtepi32_ps(_mm256_add_epi32(                                                                         \
-        _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)w[b].qs), mask)), \
-                          _mm256_loadu_si256((const __m256i *)x[b].q)),                                          \
-        _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(                                                    \
-                              _mm_srli_epi16(_mm_loadu_si128((const __m128i *)w[b].qs), 4), mask)),             \
-                          _mm256_loadu_si256((const __m256i *)(x[b].q + 16)))))
-    for (; b + 2 <= nb; b += 2) { /* two chains: the loop is bound by latency otherwise */
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * x[b].d), Q4I16(b), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b + 1].d) * x[b + 1].d), Q4I16(b + 1), acc1);
-        ms0 += fp16_to_f32(w[b].m) * x[b].s;
-        ms1 += fp16_to_f32(w[b + 1].m) * x[b + 1].s;
-    }
-    for (; b < nb; b++) {
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * x[b].d), Q4I16(b), acc0);
-        ms0 += fp16_to_f32(w[b].m) * x[b].s;
-    }
-#undef Q4I16
-    return hsum256(_mm256_add_ps(acc0, acc1)) + ms0 + ms1;
-}
-
-static float row_dot_q8_0_i16(const block_q8_0 *w, const block_q16_x *x, int64_t nb) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    int64_t b = 0;
-#define Q8I16(b)                                                                                                  \
-    _mm256_cvtepi32_ps(_mm256_add_epi32(                                                                         \
-        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w[b].q)),                       \
-                          _mm256_loadu_si256((const __m256i *)x[b].q)),                                          \
-        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[b].q + 16))),                \
-                          _mm256_loadu_si256((const __m256i *)(x[b].q + 16)))))
-    for (; b + 2 <= nb; b += 2) {
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * x[b].d), Q8I16(b), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b + 1].d) * x[b + 1].d), Q8I16(b + 1), acc1);
-    }
-    for (; b < nb; b++) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(w[b].d) * x[b].d), Q8I16(b), acc0);
-#undef Q8I16
-    return hsum256(_mm256_add_ps(acc0, acc1));
-}
-
 /* Four weight rows against one int16 activation row, the rows taken from four segments of the
  * item's range (far apart in memory): four sequential streams keep more reads in flight than one
  * (measured 1.25x on one thread reading from DRAM; adjacent rows are no faster than one row), and
@@ -780,7 +736,13 @@ static void qgemm_range(void *p, int64_t begin, int64_t end) {
                 rows4_i16(c->fmt, w, xr, c->nb, v);
                 for (int r = 0; r < 4; r++) y[n + r * S] = v[r] + (c->bias ? c->bias[n + r * S] : 0.0f);
             }
-            n = begin + 4 * S; /* the remainder, one row at a time */
+            for (n = begin + 4 * S; n < end; n++) { /* the remainder (< 4 rows): one row in all four lanes */
+                const char *row = c->w + (size_t)n * c->row_bytes, *w[4] = {row, row, row, row};
+                float v[4];
+                rows4_i16(c->fmt, w, xr, c->nb, v);
+                y[n] = v[0] + (c->bias ? c->bias[n] : 0.0f);
+            }
+            continue;
         }
         for (; n < end; n++) {
             const void *wr = c->w + (size_t)n * c->row_bytes;
@@ -789,10 +751,6 @@ static void qgemm_range(void *p, int64_t begin, int64_t end) {
                 const block_q8_x *xr = c->xq + m * c->nb;
                 v = c->fmt == 0 ? row_dot_q4_1((const block_q4_1 *)wr, xr, c->nb)
                                 : row_dot_q8_0((const block_q8_0 *)wr, xr, c->nb);
-            } else if (c->act == ACT_INT16) {
-                const block_q16_x *xr = c->xq16 + m * c->nb;
-                v = c->fmt == 0 ? row_dot_q4_1_i16((const block_q4_1 *)wr, xr, c->nb)
-                                : row_dot_q8_0_i16((const block_q8_0 *)wr, xr, c->nb);
             } else {
                 const float *xr = c->x + m * c->K;
                 v = c->fmt == 0 ? row_dot_q4_1_f32((const block_q4_1 *)wr, xr, c->xsum + m * c->nb, c->nb)
