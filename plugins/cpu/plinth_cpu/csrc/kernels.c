@@ -276,9 +276,12 @@ void plinth_read_probe(const float *x, float *out, int64_t n) {
 
 /* ---------------------------------------------------------------------------------------------
  * fp32 GEMM: y[M, N] = x[M, K] @ w[N, K]^T + b, K a multiple of 8.
- * Work items are groups of 3 weight rows. Within one, a 4x3 register tile (12 accumulators along
- * K, 4 activation rows by 3 weight rows) keeps the FMA units busy: 7 loads per 12 FMAs. With one
- * activation row (decode) the 1x3 tail is load-bound, and the weight streams from memory once.
+ * Below 256 rows, work items are groups of 3 weight rows, and a thread's item range is walked as
+ * three far-apart segments (rows n, n + S, n + 2S together): three sequential streams from memory
+ * where adjacent rows would make one (one stream per thread read 7-9 GB/s here, three 13.7-15.4).
+ * A 4x3 register tile (12 accumulators along K, 4 activation rows by 3 weight rows) keeps the FMA
+ * units busy, 7 loads per 12 FMAs; leftover activation rows take the 1x3 tile, which is load-bound
+ * and streams its weights once.
  */
 static inline float dot1(const float *x, const float *w, int64_t K) {
     __m256 a = _mm256_setzero_ps();
@@ -292,15 +295,17 @@ static inline __m128 hsum3(__m256 a, __m256 b, __m256 c) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-static inline void store3(float *y, __m128 v, const float *bias) {
+/* y[col[j]] = v[j] + bias[col[j]] for the three columns */
+static inline void store3(float *y, __m128 v, const int64_t col[3], const float *bias) {
     float r[4];
     _mm_storeu_ps(r, v);
-    for (int j = 0; j < 3; j++) y[j] = r[j] + (bias ? bias[j] : 0.0f);
+    for (int j = 0; j < 3; j++) y[col[j]] = r[j] + (bias ? bias[col[j]] : 0.0f);
 }
 
-static void tile_4x3(const float *x, const float *w, int64_t K, float *y, int64_t N, const float *bias) {
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
-    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K;
+/* 4 activation rows (K apart) against weight rows w[0..2]; row i's outputs go to y + i * N at col[] */
+static void tile_4x3(const float *x, const float *const w[3], int64_t K, float *y, int64_t N, const int64_t col[3],
+                     const float *bias) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *w0 = w[0], *w1 = w[1], *w2 = w[2];
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
     __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
     for (int64_t k = 0; k < K; k += 8) {
@@ -314,15 +319,16 @@ static void tile_4x3(const float *x, const float *w, int64_t K, float *y, int64_
         v = _mm256_loadu_ps(x3 + k);
         c30 = _mm256_fmadd_ps(v, a, c30), c31 = _mm256_fmadd_ps(v, b, c31), c32 = _mm256_fmadd_ps(v, c, c32);
     }
-    store3(y, hsum3(c00, c01, c02), bias);
-    store3(y + N, hsum3(c10, c11, c12), bias);
-    store3(y + 2 * N, hsum3(c20, c21, c22), bias);
-    store3(y + 3 * N, hsum3(c30, c31, c32), bias);
+    store3(y, hsum3(c00, c01, c02), col, bias);
+    store3(y + N, hsum3(c10, c11, c12), col, bias);
+    store3(y + 2 * N, hsum3(c20, c21, c22), col, bias);
+    store3(y + 3 * N, hsum3(c30, c31, c32), col, bias);
 }
 
-/* One activation row against weight rows w0, w1, w2 anywhere (K a multiple of 8). */
-static void tile_1x3s(const float *x, const float *w0, const float *w1, const float *w2, int64_t K, float *y0,
-                      float *y1, float *y2) {
+/* One activation row against weight rows w[0..2]; outputs to y at col[] */
+static void tile_1x3(const float *x, const float *const w[3], int64_t K, float *y, const int64_t col[3],
+                     const float *bias) {
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2];
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) { /* two chains per row: the loop is bound by FMA latency otherwise */
@@ -337,19 +343,7 @@ static void tile_1x3s(const float *x, const float *w0, const float *w1, const fl
         b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, b0);
         c0 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, c0);
     }
-    *y0 = hsum256(_mm256_add_ps(a0, a1)), *y1 = hsum256(_mm256_add_ps(b0, b1)), *y2 = hsum256(_mm256_add_ps(c0, c1));
-}
-
-static void tile_1x3(const float *x, const float *w, int64_t K, float *y, const float *bias) {
-    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K;
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 v = _mm256_loadu_ps(x + k);
-        c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w0 + k), c0);
-        c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w1 + k), c1);
-        c2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w2 + k), c2);
-    }
-    store3(y, hsum3(c0, c1, c2), bias);
+    store3(y, hsum3(_mm256_add_ps(a0, a1), _mm256_add_ps(b0, b1), _mm256_add_ps(c0, c1)), col, bias);
 }
 
 typedef struct {
@@ -358,48 +352,29 @@ typedef struct {
     int64_t M, N, K;
 } gemm_ctx;
 
-/* Activation rows per pass over an item range: 32 rows of K floats stay in L2 while the range's
- * weight rows stream past them. */
-#define GEMM_M_BLOCK 32
+/* Activation rows per pass over a thread's weight rows: 64 rows of K floats stay in L2 while the
+ * weights stream past them, so a decode batch of up to 64 reads each weight once. */
+#define GEMM_M_BLOCK 64
 
-/* items are groups of 3 weight rows */
+/* items are groups of 3 weight rows; measured against adjacent rows with a prefetch of the next
+ * item (2 threads, SmolLM2's four shapes, weights not in cache): 24.5-25 to 30-35 GFLOP/s at 4
+ * rows, 38-39 to 49-52 at 8, 58-61 to 79-80 at 16, 81-83 to 93-97 at 32 */
 static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
     gemm_ctx *c = (gemm_ctx *)p;
     int64_t M = c->M, N = c->N, K = c->K;
-    if (M < 4) { /* GEMV: rows n, n + S, n + 2S together, three sequential streams (see rows4_i16) */
-        int64_t r0 = begin * 3, r1 = end * 3 < N ? end * 3 : N, S = (r1 - r0) / 3;
-        for (int64_t m = 0; m < M; m++) {
-            const float *x = c->x + m * K;
-            float *y = c->y + m * N;
-            for (int64_t n = r0; n < r0 + S; n++)
-                tile_1x3s(x, c->w + n * K, c->w + (n + S) * K, c->w + (n + 2 * S) * K, K, y + n, y + n + S,
-                          y + n + 2 * S);
-            for (int64_t n = r0 + 3 * S; n < r1; n++) y[n] = dot1(x, c->w + n * K, K);
-            if (c->bias)
-                for (int64_t n = r0; n < r1; n++) y[n] += c->bias[n];
-        }
-        return;
-    }
+    int64_t r0 = begin * 3, r1 = end * 3 < N ? end * 3 : N, S = (r1 - r0) / 3;
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
         int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M;
-        for (int64_t item = begin; item < end; item++) {
-            int64_t n = item * 3;
-            const float *w = c->w + n * K;
-            const float *bias = c->bias ? c->bias + n : NULL;
-            if (m0 == 0 && item + 1 < end) { /* the next item's rows come from DRAM while this one computes */
-                const char *next = (const char *)(w + 3 * K), *stop = (const char *)(w + 6 * K < c->w + N * K ? w + 6 * K : c->w + N * K);
-                for (; next < stop; next += 64) _mm_prefetch(next, _MM_HINT_T0);
-            }
-            if (n + 3 <= N) {
-                int64_t m = m0;
-                for (; m + 4 <= m1; m += 4) tile_4x3(c->x + m * K, w, K, c->y + m * N + n, N, bias);
-                for (; m < m1; m++) tile_1x3(c->x + m * K, w, K, c->y + m * N + n, bias);
-            } else {
-                for (int64_t m = m0; m < m1; m++)
-                    for (int64_t j = n; j < N; j++)
-                        c->y[m * N + j] = dot1(c->x + m * K, c->w + j * K, K) + (c->bias ? c->bias[j] : 0.0f);
-            }
+        for (int64_t n = r0; n < r0 + S; n++) {
+            const float *w[3] = {c->w + n * K, c->w + (n + S) * K, c->w + (n + 2 * S) * K};
+            const int64_t col[3] = {n, n + S, n + 2 * S};
+            int64_t m = m0;
+            for (; m + 4 <= m1; m += 4) tile_4x3(c->x + m * K, w, K, c->y + m * N, N, col, c->bias);
+            for (; m < m1; m++) tile_1x3(c->x + m * K, w, K, c->y + m * N, col, c->bias);
         }
+        for (int64_t n = r0 + 3 * S; n < r1; n++)
+            for (int64_t m = m0; m < m1; m++)
+                c->y[m * N + n] = dot1(c->x + m * K, c->w + n * K, K) + (c->bias ? c->bias[n] : 0.0f);
     }
 }
 
@@ -878,8 +853,10 @@ static void qdgemm_range(void *p, int64_t begin, int64_t end) {
         const float *bias = c->bias ? c->bias + n : NULL;
         if (rows == 3) {
             int64_t m = 0;
-            for (; m + 4 <= M; m += 4) tile_4x3(c->x + m * K, buf, K, c->y + m * N + n, N, bias);
-            for (; m < M; m++) tile_1x3(c->x + m * K, buf, K, c->y + m * N + n, bias);
+            const float *w[3] = {buf, buf + K, buf + 2 * K};
+            const int64_t col[3] = {n, n + 1, n + 2};
+            for (; m + 4 <= M; m += 4) tile_4x3(c->x + m * K, w, K, c->y + m * N, N, col, c->bias);
+            for (; m < M; m++) tile_1x3(c->x + m * K, w, K, c->y + m * N, col, c->bias);
         } else {
             for (int64_t m = 0; m < M; m++)
                 for (int64_t j = 0; j < rows; j++)
@@ -1045,7 +1022,7 @@ typedef struct {
     int64_t max_blocks;
     const int32_t *seq_lens;
     float *out;
-    int64_t H, Hk, D, bs, num_blocks;
+    int64_t B, H, Hk, D, bs, num_blocks;
     float scale;
     int64_t window;
     float soft_cap;
@@ -1091,7 +1068,9 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
     int64_t H = c->H, Hk = c->Hk, D = c->D, bs = c->bs, group = H / Hk;
     const float *vcache = c->cache + c->num_blocks * Hk * bs * D;
     for (int64_t task = begin; task < end; task++) {
-        int64_t b = task / Hk, kh = task % Hk;
+        /* kv head outer: a prefill's rows (one per query token, consecutive) share one head's
+         * pages, which stay in L2 from row to row */
+        int64_t b = task % c->B, kh = task / c->B;
         int64_t len = c->seq_lens[b];
         int64_t first = (c->window > 0 && len > c->window) ? len - c->window : 0;
         int64_t n = len - first;
@@ -1182,7 +1161,7 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
 int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables,
                             int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk,
                             int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap) {
-    attn_ctx c = {q, sq, cache, block_tables, max_blocks, seq_lens, out, H, Hk, D, bs, num_blocks, scale, window,
+    attn_ctx c = {q, sq, cache, block_tables, max_blocks, seq_lens, out, B, H, Hk, D, bs, num_blocks, scale, window,
                   soft_cap, 0};
     /* items of at least ~64k multiply-adds: waking a thread costs more than a short sequence's work */
     int64_t total = 0;
