@@ -378,14 +378,19 @@ static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
     }
 }
 
-/* ---- many rows: 16-row weight panels packed k-major, a 6x16 register tile of broadcasts ----
- * Each item packs its weight rows into 16-row panels [K][16] (k-major, so one k is two vector loads)
- * and runs every 6 activation rows against them: 12 accumulators, 2 loads and 6 broadcasts per 12
- * FMAs, and no horizontal sums at the end (the 4x3 tile reduces 12 vectors per 12 outputs).
- * Measured here, 2 threads, SmolLM2's four shapes (30 GEMMs, noisy machine): at 1024 rows 123-127
- * against 110-121 GFLOP/s for the 4x3 tiles, at 256 rows 118-124 against 107-112; at 128 rows the
- * packing no longer pays (77-105 against 107-111). */
-#define PACKED_MIN_ROWS 256
+/* ---- many rows: blocked as in BLIS (Goto's algorithm) ----
+ * x is packed once per call into 6-row micro-panels [ceil(M/6)][K][6], so a k step reads 6
+ * consecutive floats; weight rows are packed per item into 16-row panels [K][16] (k-major, one k
+ * is two vector loads) with an 8x8 register transpose. A 6x16 register tile (12 accumulators) takes
+ * 2 loads and 6 broadcasts per 12 FMAs and ends with no horizontal sums. Items are (weight panel
+ * group, 48-row block) pairs, so o_proj's and down_proj's 576 outputs still split evenly over two
+ * threads; a thread packs a group's panels once for its consecutive items.
+ * Measured here (2 threads, SmolLM2's four shapes, alternating runs): 1024 rows 121-151 GFLOP/s
+ * against 111-121 for panels packed per item with unpacked x; 256 rows 119-141 against 106-122. */
+#define PACKED_MIN_ROWS 96
+#define PACK_MC 48  /* activation rows per item: a 48 x K block of micro-panels stays in L2 */
+#define PACK_KC 768 /* K per pass: one pass up to 768, so the output tile is stored once */
+#define PACK_GP 2   /* 16-row panels per item */
 
 static _Thread_local float *pack_buf;
 static _Thread_local size_t pack_cap;
@@ -399,97 +404,175 @@ static float *pack_buffer(size_t floats) {
     return pack_buf;
 }
 
+/* 8 rows of w (K apart; rows past `rows` read as zeros) by 8 columns into P (16 apart) */
+static inline __attribute__((always_inline)) void transpose8(const float *w, int64_t K, float *P, int rows) {
+    __m256 r0, r1, r2, r3, r4, r5, r6, r7, z = _mm256_setzero_ps();
+    r0 = rows > 0 ? _mm256_loadu_ps(w) : z;
+    r1 = rows > 1 ? _mm256_loadu_ps(w + K) : z;
+    r2 = rows > 2 ? _mm256_loadu_ps(w + 2 * K) : z;
+    r3 = rows > 3 ? _mm256_loadu_ps(w + 3 * K) : z;
+    r4 = rows > 4 ? _mm256_loadu_ps(w + 4 * K) : z;
+    r5 = rows > 5 ? _mm256_loadu_ps(w + 5 * K) : z;
+    r6 = rows > 6 ? _mm256_loadu_ps(w + 6 * K) : z;
+    r7 = rows > 7 ? _mm256_loadu_ps(w + 7 * K) : z;
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_store_ps(P + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_store_ps(P + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_store_ps(P + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_store_ps(P + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_store_ps(P + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_store_ps(P + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_store_ps(P + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_store_ps(P + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
 /* rows [0, rows) of w (K apart) into P[K][16]; missing rows are zeros */
 static void pack16(const float *w, int64_t K, int64_t rows, float *P) {
-    for (int64_t k0 = 0; k0 < K; k0 += 8) {
-        for (int r = 0; r < 16; r++) {
-            __m256 v = r < rows ? _mm256_loadu_ps(w + r * K + k0) : _mm256_setzero_ps();
-            float t[8];
-            _mm256_storeu_ps(t, v);
-            for (int j = 0; j < 8; j++) P[(k0 + j) * 16 + r] = t[j];
-        }
+    int lo = rows < 8 ? (int)rows : 8, hi = rows > 8 ? (int)rows - 8 : 0;
+    for (int64_t k = 0; k < K; k += 8) {
+        transpose8(w + k, K, P + k * 16, lo);
+        transpose8(w + 8 * K + k, K, P + k * 16 + 8, hi);
     }
 }
 
-/* y[6][16] (rows ldy apart) = x[6][K] (rows K apart) @ P[K][16] */
-static inline void kern6x16(const float *x, int64_t K, const float *P, float *y, int64_t ldy) {
+/* y[6][16] (rows ldy apart) = A[kc][6] @ P[kc][16], added to y when acc */
+static void kern6x16(const float *A, int64_t kc, const float *P, float *y, int64_t ldy, int acc) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K, *x5 = x + 5 * K;
-    for (int64_t k = 0; k < K; k++) {
-        __m256 b0 = _mm256_load_ps(P + k * 16), b1 = _mm256_load_ps(P + k * 16 + 8), a;
-        a = _mm256_broadcast_ss(x0 + k), c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
-        a = _mm256_broadcast_ss(x1 + k), c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
-        a = _mm256_broadcast_ss(x2 + k), c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
-        a = _mm256_broadcast_ss(x3 + k), c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
-        a = _mm256_broadcast_ss(x4 + k), c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
-        a = _mm256_broadcast_ss(x5 + k), c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
+    for (int64_t k = 0; k < kc; k++, A += 6, P += 16) {
+        __m256 b0 = _mm256_load_ps(P), b1 = _mm256_load_ps(P + 8), a;
+        a = _mm256_broadcast_ss(A + 0), c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
+        a = _mm256_broadcast_ss(A + 1), c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
+        a = _mm256_broadcast_ss(A + 2), c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
+        a = _mm256_broadcast_ss(A + 3), c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
+        a = _mm256_broadcast_ss(A + 4), c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
+        a = _mm256_broadcast_ss(A + 5), c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
     }
-    _mm256_storeu_ps(y, c00), _mm256_storeu_ps(y + 8, c01);
-    _mm256_storeu_ps(y + ldy, c10), _mm256_storeu_ps(y + ldy + 8, c11);
-    _mm256_storeu_ps(y + 2 * ldy, c20), _mm256_storeu_ps(y + 2 * ldy + 8, c21);
-    _mm256_storeu_ps(y + 3 * ldy, c30), _mm256_storeu_ps(y + 3 * ldy + 8, c31);
-    _mm256_storeu_ps(y + 4 * ldy, c40), _mm256_storeu_ps(y + 4 * ldy + 8, c41);
-    _mm256_storeu_ps(y + 5 * ldy, c50), _mm256_storeu_ps(y + 5 * ldy + 8, c51);
+#define OUT(i, lo, hi)                                                                                         \
+    if (acc) {                                                                                                 \
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(y + i * ldy));                                                  \
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(y + i * ldy + 8));                                              \
+    }                                                                                                          \
+    _mm256_storeu_ps(y + i * ldy, lo), _mm256_storeu_ps(y + i * ldy + 8, hi);
+    OUT(0, c00, c01) OUT(1, c10, c11) OUT(2, c20, c21) OUT(3, c30, c31) OUT(4, c40, c41) OUT(5, c50, c51)
+#undef OUT
 }
 
-/* Panels packed per item: each 6-row activation tile is read once for both (from L1), and the
- * item's panels (2 x 16 x K floats, 74 KB at K = 576) stay in L2. */
-#define PANELS 2
+typedef struct {
+    const float *x;
+    float *A;
+    int64_t M, K;
+} pack_x_ctx;
 
-/* items are groups of PANELS 16-row weight panels */
+/* items are 6-row micro-panels; rows past M are zeros */
+static void pack_x_range(void *p, int64_t begin, int64_t end) {
+    pack_x_ctx *c = (pack_x_ctx *)p;
+    int64_t M = c->M, K = c->K;
+    for (int64_t t = begin; t < end; t++) {
+        float *At = c->A + t * K * 6;
+        int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < 6; i++) At[k * 6 + i] = i < mr ? c->x[(m + i) * K + k] : 0.0f;
+    }
+}
+
+typedef struct {
+    const float *A, *w, *bias;
+    float *y;
+    int64_t M, N, K, blocks; /* blocks: PACK_MC-row blocks of M */
+    uint64_t call;           /* tells a thread's packed panels of this call from an earlier call's */
+    _Atomic int failed;
+} packed_ctx;
+
+static _Thread_local uint64_t packed_call;
+static _Thread_local int64_t packed_group = -1;
+
+/* items are (panel group, row block) pairs, row block inner */
 static void gemm_packed_range(void *p, int64_t begin, int64_t end) {
-    gemm_ctx *c = (gemm_ctx *)p;
-    int64_t M = c->M, N = c->N, K = c->K;
-    float *P = pack_buffer((size_t)K * 16 * PANELS + (size_t)K * 6); /* the panels, then a padded x tail */
-    if (!P) { /* no memory for the panels: plain dot products, slow but needing none */
-        int64_t n1 = end * 16 * PANELS < N ? end * 16 * PANELS : N;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = begin * 16 * PANELS; n < n1; n++)
-                c->y[m * N + n] = dot1(c->x + m * K, c->w + n * K, K) + (c->bias ? c->bias[n] : 0.0f);
+    packed_ctx *c = (packed_ctx *)p;
+    int64_t M = c->M, N = c->N, K = c->K, tiles = (M + 5) / 6;
+    int64_t chunks = (K + PACK_KC - 1) / PACK_KC, kcs = (K / chunks + 7) / 8 * 8;
+    float *P = pack_buffer((size_t)K * 16 * PACK_GP + 6 * 16);
+    if (!P) {
+        atomic_store(&c->failed, 1);
         return;
     }
-    float *xt = P + K * 16 * PANELS;
+    float *tile = P + K * 16 * PACK_GP;
     for (int64_t item = begin; item < end; item++) {
-        int64_t n0 = item * 16 * PANELS, np = 0;
-        for (; np < PANELS && n0 + np * 16 < N; np++) {
-            int64_t rows = N - n0 - np * 16 < 16 ? N - n0 - np * 16 : 16;
-            pack16(c->w + (n0 + np * 16) * K, K, rows, P + np * K * 16);
-        }
-        float tile[6 * 16];
-        for (int64_t m = 0; m < M; m += 6) {
-            int64_t mr = M - m < 6 ? M - m : 6;
-            const float *xs = c->x + m * K;
-            if (mr < 6) { /* the last rows, padded with zeros */
-                memcpy(xt, xs, sizeof(float) * (size_t)(mr * K));
-                memset(xt + mr * K, 0, sizeof(float) * (size_t)((6 - mr) * K));
-                xs = xt;
-            }
+        int64_t group = item / c->blocks, block = item % c->blocks;
+        int64_t n0 = group * 16 * PACK_GP, np = (N - n0 + 15) / 16;
+        if (np > PACK_GP) np = PACK_GP;
+        if (packed_call != c->call || packed_group != group) {
             for (int64_t j = 0; j < np; j++) {
-                int64_t nj = n0 + j * 16, rows = N - nj < 16 ? N - nj : 16;
-                if (mr == 6 && rows == 16) {
-                    kern6x16(xs, K, P + j * K * 16, c->y + m * N + nj, N);
-                } else {
-                    kern6x16(xs, K, P + j * K * 16, tile, 16);
+                int64_t nj = n0 + j * 16;
+                pack16(c->w + nj * K, K, N - nj < 16 ? N - nj : 16, P + j * K * 16);
+            }
+            packed_call = c->call, packed_group = group;
+        }
+        int64_t t0 = block * (PACK_MC / 6), t1 = t0 + PACK_MC / 6 < tiles ? t0 + PACK_MC / 6 : tiles;
+        for (int64_t k0 = 0; k0 < K; k0 += kcs) {
+            int64_t kc = K - k0 < kcs ? K - k0 : kcs;
+            for (int64_t j = 0; j < np; j++) {
+                int64_t nj = n0 + j * 16, cols = N - nj < 16 ? N - nj : 16;
+                const float *Pj = P + j * K * 16 + k0 * 16;
+                for (int64_t t = t0; t < t1; t++) {
+                    int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
+                    const float *At = c->A + t * K * 6 + k0 * 6;
+                    if (mr == 6 && cols == 16) {
+                        kern6x16(At, kc, Pj, c->y + m * N + nj, N, k0 > 0);
+                        continue;
+                    }
+                    /* an edge tile: through a 6x16 scratch tile, only the real rows and columns */
+                    if (k0 > 0)
+                        for (int64_t i = 0; i < mr; i++)
+                            memcpy(tile + i * 16, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
+                    kern6x16(At, kc, Pj, tile, 16, k0 > 0);
                     for (int64_t i = 0; i < mr; i++)
-                        memcpy(c->y + (m + i) * N + nj, tile + i * 16, sizeof(float) * (size_t)rows);
+                        memcpy(c->y + (m + i) * N + nj, tile + i * 16, sizeof(float) * (size_t)cols);
                 }
             }
         }
-        int64_t n1 = n0 + 16 * PANELS < N ? n0 + 16 * PANELS : N;
-        if (c->bias)
-            for (int64_t m = 0; m < M; m++)
+        if (c->bias) {
+            int64_t n1 = n0 + 16 * PACK_GP < N ? n0 + 16 * PACK_GP : N, m1 = t1 * 6 < M ? t1 * 6 : M;
+            for (int64_t m = t0 * 6; m < m1; m++)
                 for (int64_t n = n0; n < n1; n++) c->y[m * N + n] += c->bias[n];
+        }
     }
 }
 
-void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    gemm_ctx c = {x, w, bias, y, M, N, K};
-    if (M >= PACKED_MIN_ROWS) {
-        int64_t items = (N + 16 * PANELS - 1) / (16 * PANELS);
-        parallel_for(gemm_packed_range, &c, items, grain_for(items, 1));
-        return;
+/* the packed activations, grown on demand (kernel calls come from one thread at a time) */
+static float *packed_x;
+static size_t packed_x_cap;
+static uint64_t packed_calls;
+
+/* Returns 0, or -1 when there was no memory for the packed operands (nothing usable written). */
+static int gemm_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    int64_t tiles = (M + 5) / 6;
+    size_t need = (size_t)tiles * 6 * (size_t)K;
+    if (packed_x_cap < need) {
+        free(packed_x);
+        packed_x = (float *)aligned_alloc(64, need * sizeof(float));
+        packed_x_cap = packed_x ? need : 0;
+        if (!packed_x) return -1;
     }
+    pack_x_ctx px = {x, packed_x, M, K};
+    parallel_for(pack_x_range, &px, tiles, grain_for(tiles, 4));
+    int64_t groups = (N + 16 * PACK_GP - 1) / (16 * PACK_GP), blocks = (tiles + PACK_MC / 6 - 1) / (PACK_MC / 6);
+    packed_ctx c = {packed_x, w, bias, y, M, N, K, blocks, ++packed_calls, 0};
+    parallel_for(gemm_packed_range, &c, groups * blocks, grain_for(groups * blocks, 1));
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    if (M >= PACKED_MIN_ROWS && gemm_packed(x, w, bias, y, M, N, K) == 0) return;
+    gemm_ctx c = {x, w, bias, y, M, N, K}; /* few rows, or no memory to pack: the row tiles need none */
     int64_t groups = (N + 2) / 3;
     parallel_for(gemm_f32_range, &c, groups, grain_for(groups, 8));
 }
