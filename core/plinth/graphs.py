@@ -32,7 +32,7 @@ from plinth.platform.backend import AttentionMetadata, DeviceServices, StepGraph
 logger = logging.getLogger(__name__)
 
 #: Decode batch sizes captured (a batch runs in the smallest bucket that holds it).
-GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 
 #: Ops that compute nothing: a kernels-only capture may run them.
 _ALLOCATIONS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::detach", "aten::alias"})
