@@ -1143,6 +1143,29 @@ static inline __m256 dot8(const float *q, const float *k, int64_t D) {
     return hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
+/* o[0..64) += sum over n positions of p[pos] * v[pos * D + 0..64), in eight registers */
+static inline void pv64(const float *v, int64_t D, const float *p, int64_t n, float *o) {
+    __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
+    __m256 o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32), o5 = _mm256_loadu_ps(o + 40);
+    __m256 o6 = _mm256_loadu_ps(o + 48), o7 = _mm256_loadu_ps(o + 56);
+    for (int64_t i = 0; i < n; i++, v += D) {
+        __m256 w = _mm256_broadcast_ss(p + i);
+        o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), o0), o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), o1);
+        o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), o2), o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), o3);
+        o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), o4), o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), o5);
+        o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), o6), o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), o7);
+    }
+    _mm256_storeu_ps(o, o0), _mm256_storeu_ps(o + 8, o1), _mm256_storeu_ps(o + 16, o2), _mm256_storeu_ps(o + 24, o3);
+    _mm256_storeu_ps(o + 32, o4), _mm256_storeu_ps(o + 40, o5), _mm256_storeu_ps(o + 48, o6), _mm256_storeu_ps(o + 56, o7);
+}
+
+/* the same for one 8-wide slice (head sizes not a multiple of 64) */
+static inline void pv8(const float *v, int64_t D, const float *p, int64_t n, float *o) {
+    __m256 acc = _mm256_loadu_ps(o);
+    for (int64_t i = 0; i < n; i++, v += D) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), _mm256_loadu_ps(v), acc);
+    _mm256_storeu_ps(o, acc);
+}
+
 /* One (sequence, kv head) per item: the group's query heads against the sequence's keys, eight
  * positions of a page at a time where the block size is a multiple of 8, softmax with a vector exp,
  * then the weighted sum of values page by page. */
@@ -1216,22 +1239,9 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
             if (p1 < len) prefetch_page(ROW(vcache, p1), bs * D);
             for (int64_t g = 0; g < group; g++) {
                 const float *sg = scores + g * n - first;
-                for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                    int64_t w = D - d0 < 64 ? D - d0 : 64; /* a multiple of 8 */
-                    float *og = ob + g * D + d0;
-                    __m256 o[8];
-                    for (int j = 0; j < w / 8; j++) o[j] = _mm256_loadu_ps(og + 8 * j);
-                    for (int64_t pos = p0; pos < p1; pos++) {
-                        const float *vr = v0 + (pos - p0) * D + d0;
-                        __m256 pw = _mm256_set1_ps(sg[pos]);
-                        if (w == 64) {
-                            for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
-                        } else {
-                            for (int j = 0; j < w / 8; j++) o[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vr + 8 * j), o[j]);
-                        }
-                    }
-                    for (int j = 0; j < w / 8; j++) _mm256_storeu_ps(og + 8 * j, o[j]);
-                }
+                int64_t d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) pv64(v0 + d0, D, sg + p0, p1 - p0, ob + g * D + d0);
+                for (; d0 < D; d0 += 8) pv8(v0 + d0, D, sg + p0, p1 - p0, ob + g * D + d0);
             }
             p0 = p1;
         }
