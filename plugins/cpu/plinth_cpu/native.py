@@ -30,7 +30,7 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
@@ -52,6 +52,12 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "plinth_decode_attention": (
         c_int,
         [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_void_p]
+        + [c_int64] * 6
+        + [c_float, c_int64, c_float],
+    ),
+    "plinth_prefill_attention": (
+        c_int,
+        [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_void_p]
         + [c_int64] * 6
         + [c_float, c_int64, c_float],
     ),
@@ -355,6 +361,36 @@ class NativeKernels:
         if failed:
             raise MemoryError("no memory for decode attention scores")
         return out
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        q_start: torch.Tensor,
+        q_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        window: int | None,
+        soft_cap: float | None,
+    ) -> None:
+        """Causal attention of prefill chunks into ``out``: chunk ``g``'s ``q_lens[g]`` query rows
+        start at row ``q_start[g]`` of ``q`` [T, H, D] (heads dense) and are the last of its
+        ``seq_lens[g]`` positions, whose K/V are in the fp32 head-major ``cache``; each row sees
+        the positions up to its own. ``block_tables`` [G, max_blocks] int32, ``q_start`` int64,
+        ``q_lens``/``seq_lens`` int32 [G]; ``out`` [>= T, H, D] contiguous gets the same rows."""
+        _, H, D = q.shape
+        _, num_blocks, Hk, bs, _ = cache.shape
+        if q.stride(2) != 1 or q.stride(1) != D:
+            q = q.contiguous()
+        failed = self.lib.plinth_prefill_attention(
+            q.data_ptr(), q.stride(0), cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            q_start.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), q_lens.numel(), H, Hk, D, bs,
+            num_blocks, scale, window or 0, soft_cap or 0.0,
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("no memory for prefill attention scores")
 
 
 @cache

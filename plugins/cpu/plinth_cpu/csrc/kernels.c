@@ -100,7 +100,7 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-int plinth_abi_version(void) { return 4; }
+int plinth_abi_version(void) { return 5; }
 
 /* ---------------------------------------------------------------------------------------------
  * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
@@ -1166,86 +1166,110 @@ static inline void pv8(const float *v, int64_t D, const float *p, int64_t n, flo
     _mm256_storeu_ps(o, acc);
 }
 
-/* One (sequence, kv head) per item: the group's query heads against the sequence's keys, eight
- * positions of a page at a time where the block size is a multiple of 8, softmax with a vector exp,
- * then the weighted sum of values page by page. */
-static void decode_attention_range(void *p, int64_t begin, int64_t end) {
-    attn_ctx *c = (attn_ctx *)p;
-    int64_t H = c->H, Hk = c->Hk, D = c->D, bs = c->bs, group = H / Hk;
+/* Up to ATTN_ROWS consecutive query rows of one sequence are attended together: each block of 8
+ * keys and each page of values is read from memory once and stays in L1 for every row and head. */
+#define ATTN_ROWS 4
+
+/* Attention of R <= ATTN_ROWS query rows of one sequence for kv head kh over the pages of
+ * `table`: row r (positions last[0] < ... < last[R-1]) sees positions [first_r, last[r]]
+ * (first_r > 0 only with a window), with its group of query heads at q[r] and its output at o[r]
+ * (the group's heads D apart). Scores for 8 positions of a page at a time, a vector exp for the
+ * softmax, then the weighted sum of values page by page. `scores` holds R * group * n floats, n the
+ * span from the first row's first position to the last row's last. */
+static void attend_rows(const attn_ctx *c, const int32_t *table, int64_t kh, int64_t R, const float *const *q,
+                        float *const *o, const int64_t *last, float *scores) {
+    int64_t Hk = c->Hk, D = c->D, bs = c->bs, group = c->H / Hk;
     const float *vcache = c->cache + c->num_blocks * Hk * bs * D;
-    for (int64_t task = begin; task < end; task++) {
-        /* kv head outer: a prefill's rows (one per query token, consecutive) share one head's
-         * pages, which stay in L2 from row to row */
-        int64_t b = task % c->B, kh = task / c->B;
-        int64_t len = c->seq_lens[b];
-        int64_t first = (c->window > 0 && len > c->window) ? len - c->window : 0;
-        int64_t n = len - first;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(n * group + 8));
-        if (!scores) {
-            atomic_store(&c->failed, 1);
-            return;
-        }
-        const float *qb = c->q + b * c->sq + kh * group * D;
-        const int32_t *table = c->block_tables + b * c->max_blocks;
+    int64_t first[ATTN_ROWS];
+    for (int64_t r = 0; r < R; r++) first[r] = c->window > 0 && last[r] + 1 > c->window ? last[r] + 1 - c->window : 0;
+    int64_t lo = first[0], hi = last[R - 1] + 1, n = hi - lo;
 #define ROW(cache, pos) ((cache) + (((int64_t)table[(pos) / bs] * Hk + kh) * bs + (pos) % bs) * D)
-        /* scores: positions outer, the group's heads inner, so a page's keys are read from memory
-         * once and stay in L1 for every head of the group */
-        int64_t pos = first;
-        if (bs % 8 == 0) { /* eight positions of one page at a time */
-            for (; pos < len && pos % 8; pos++)
-                for (int64_t g = 0; g < group; g++) scores[g * n + pos - first] = dot1(qb + g * D, ROW(c->cache, pos), D);
-            for (; pos + 8 <= len; pos += 8) {
-                const float *k8 = ROW(c->cache, pos);
-                if (pos % bs == 0 && pos + bs < len) prefetch_page(ROW(c->cache, pos + bs), bs * D);
-                for (int64_t g = 0; g < group; g++) _mm256_storeu_ps(scores + g * n + pos - first, dot8(qb + g * D, k8, D));
-            }
+#define SCORES(r, g) (scores + ((r) * group + (g)) * n - lo) /* indexed by absolute position */
+    /* scores: positions outer, rows and heads inner, so a page's keys are read from memory once and
+     * stay in L1 for every row and head */
+    int64_t pos = lo;
+    if (bs % 8 == 0) { /* eight positions of one page at a time */
+        for (; pos < hi && pos % 8; pos++)
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t g = 0; g < group; g++) SCORES(r, g)[pos] = dot1(q[r] + g * D, ROW(c->cache, pos), D);
+        for (; pos + 8 <= hi; pos += 8) {
+            const float *k8 = ROW(c->cache, pos);
+            if (pos % bs == 0 && pos + bs < hi) prefetch_page(ROW(c->cache, pos + bs), bs * D);
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t g = 0; g < group; g++) _mm256_storeu_ps(SCORES(r, g) + pos, dot8(q[r] + g * D, k8, D));
         }
-        for (; pos < len; pos++)
-            for (int64_t g = 0; g < group; g++) scores[g * n + pos - first] = dot1(qb + g * D, ROW(c->cache, pos), D);
+    }
+    for (; pos < hi; pos++)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t g = 0; g < group; g++) SCORES(r, g)[pos] = dot1(q[r] + g * D, ROW(c->cache, pos), D);
+    /* softmax of each row and head over its own positions */
+    for (int64_t r = 0; r < R; r++) {
+        int64_t nr = last[r] + 1 - first[r];
         for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * n;
+            float *sg = SCORES(r, g) + first[r];
             int64_t i = 0;
             __m256 scale = _mm256_set1_ps(c->scale), vmax = _mm256_set1_ps(-INFINITY);
             if (c->soft_cap > 0.0f) {
-                for (i = 0; i < n; i++) sg[i] = c->soft_cap * tanhf(sg[i] * c->scale / c->soft_cap);
+                for (i = 0; i < nr; i++) sg[i] = c->soft_cap * tanhf(sg[i] * c->scale / c->soft_cap);
             } else {
-                for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(sg + i, _mm256_mul_ps(_mm256_loadu_ps(sg + i), scale));
-                for (; i < n; i++) sg[i] *= c->scale;
+                for (i = 0; i + 8 <= nr; i += 8) _mm256_storeu_ps(sg + i, _mm256_mul_ps(_mm256_loadu_ps(sg + i), scale));
+                for (; i < nr; i++) sg[i] *= c->scale;
             }
-            for (i = 0; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i));
+            for (i = 0; i + 8 <= nr; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i));
             float m = -INFINITY, tail[8];
             _mm256_storeu_ps(tail, vmax);
             for (int j = 0; j < 8; j++) m = tail[j] > m ? tail[j] : m;
-            for (; i < n; i++) m = sg[i] > m ? sg[i] : m;
+            for (; i < nr; i++) m = sg[i] > m ? sg[i] : m;
             __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
             float total = 0.0f;
-            for (i = 0; i + 8 <= n; i += 8) {
+            for (i = 0; i + 8 <= nr; i += 8) {
                 __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
                 _mm256_storeu_ps(sg + i, e);
                 vsum = _mm256_add_ps(vsum, e);
             }
-            for (; i < n; i++) total += sg[i] = expf(sg[i] - m);
+            for (; i < nr; i++) total += sg[i] = expf(sg[i] - m);
             __m256 inv = _mm256_set1_ps(1.0f / (total + hsum256(vsum)));
-            for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(sg + i, _mm256_mul_ps(_mm256_loadu_ps(sg + i), inv));
-            for (; i < n; i++) sg[i] *= _mm256_cvtss_f32(inv);
+            for (i = 0; i + 8 <= nr; i += 8) _mm256_storeu_ps(sg + i, _mm256_mul_ps(_mm256_loadu_ps(sg + i), inv));
+            for (; i < nr; i++) sg[i] *= _mm256_cvtss_f32(inv);
         }
-        float *ob = c->out + (b * H + kh * group) * D; /* the group's heads are adjacent rows */
-        memset(ob, 0, sizeof(float) * (size_t)(group * D));
-        /* values: one page's run of positions at a time (read from memory once, in L1 for every
-         * head), each 64-wide slice of a head's output accumulated in registers over the run */
-        for (int64_t p0 = first; p0 < len;) {
-            int64_t p1 = (p0 / bs + 1) * bs < len ? (p0 / bs + 1) * bs : len;
-            const float *v0 = ROW(vcache, p0); /* positions p0..p1 are consecutive rows of one page */
-            if (p1 < len) prefetch_page(ROW(vcache, p1), bs * D);
-            for (int64_t g = 0; g < group; g++) {
-                const float *sg = scores + g * n - first;
+        memset(o[r], 0, sizeof(float) * (size_t)(group * D));
+    }
+    /* values: one page's run of positions at a time (read from memory once, in L1 for every row
+     * and head), each 64-wide slice of a head's output accumulated in registers over the run */
+    for (int64_t p0 = lo; p0 < hi;) {
+        int64_t p1 = (p0 / bs + 1) * bs < hi ? (p0 / bs + 1) * bs : hi;
+        const float *v0 = ROW(vcache, p0); /* positions p0..p1 are consecutive rows of one page */
+        if (p1 < hi) prefetch_page(ROW(vcache, p1), bs * D);
+        for (int64_t r = 0; r < R; r++) {
+            int64_t a = first[r] > p0 ? first[r] : p0, e = last[r] + 1 < p1 ? last[r] + 1 : p1;
+            for (int64_t g = 0; a < e && g < group; g++) {
+                const float *sg = SCORES(r, g) + a, *va = v0 + (a - p0) * D;
+                float *og = o[r] + g * D;
                 int64_t d0 = 0;
-                for (; d0 + 64 <= D; d0 += 64) pv64(v0 + d0, D, sg + p0, p1 - p0, ob + g * D + d0);
-                for (; d0 < D; d0 += 8) pv8(v0 + d0, D, sg + p0, p1 - p0, ob + g * D + d0);
+                for (; d0 + 64 <= D; d0 += 64) pv64(va + d0, D, sg, e - a, og + d0);
+                for (; d0 < D; d0 += 8) pv8(va + d0, D, sg, e - a, og + d0);
             }
-            p0 = p1;
         }
+        p0 = p1;
+    }
+#undef SCORES
 #undef ROW
+}
+
+/* One (sequence, kv head) per item, kv head outer: one query row per sequence. */
+static void decode_attention_range(void *p, int64_t begin, int64_t end) {
+    attn_ctx *c = (attn_ctx *)p;
+    int64_t H = c->H, Hk = c->Hk, D = c->D, group = H / Hk;
+    for (int64_t task = begin; task < end; task++) {
+        int64_t b = task % c->B, kh = task / c->B, last = c->seq_lens[b] - 1;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)((last + 1) * group + 8));
+        if (!scores) {
+            atomic_store(&c->failed, 1);
+            return;
+        }
+        const float *q = c->q + b * c->sq + kh * group * D;
+        float *o = c->out + (b * H + kh * group) * D; /* the group's heads are adjacent rows */
+        attend_rows(c, c->block_tables + b * c->max_blocks, kh, 1, &q, &o, &last, scores);
         free(scores);
     }
 }
@@ -1263,6 +1287,67 @@ int plinth_decode_attention(const float *q, int64_t sq, const float *cache, cons
     int64_t grain = 65536 / per_item + 1;
     parallel_for(decode_attention_range, &c, B * Hk, grain);
     return atomic_load(&c.failed) ? -1 : 0;
+}
+
+/* Prefill chunks: chunk g's q_lens[g] query rows start at row q_start[g] of q (rows sq apart) and
+ * are the last q_lens[g] of its seq_lens[g] positions (their K/V already in the cache); row j sees
+ * the positions up to its own. Outputs go to the same rows of out ([rows][H][D], dense). */
+typedef struct {
+    attn_ctx a;
+    const int64_t *q_start;
+    const int32_t *q_lens;
+    const int32_t *chunk_lens;
+    const int64_t *tile_chunk; /* the chunk of each ATTN_ROWS-row tile */
+    const int64_t *tile_row;   /* its first row within the chunk */
+    int64_t tiles;
+} prefill_ctx;
+
+/* items are (row tile, kv head) pairs, kv head outer */
+static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
+    prefill_ctx *c = (prefill_ctx *)p;
+    int64_t H = c->a.H, Hk = c->a.Hk, D = c->a.D, group = H / Hk;
+    for (int64_t task = begin; task < end; task++) {
+        int64_t t = task % c->tiles, kh = task / c->tiles, g = c->tile_chunk[t], j0 = c->tile_row[t];
+        int64_t q_len = c->q_lens[g], R = q_len - j0 < ATTN_ROWS ? q_len - j0 : ATTN_ROWS;
+        int64_t first_pos = c->chunk_lens[g] - q_len, last[ATTN_ROWS];
+        const float *q[ATTN_ROWS];
+        float *o[ATTN_ROWS];
+        for (int64_t r = 0; r < R; r++) {
+            int64_t row = c->q_start[g] + j0 + r;
+            last[r] = first_pos + j0 + r;
+            q[r] = c->a.q + row * c->a.sq + kh * group * D;
+            o[r] = c->a.out + (row * H + kh * group) * D;
+        }
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(R * group * (last[R - 1] + 1) + 8));
+        if (!scores) {
+            atomic_store(&c->a.failed, 1);
+            return;
+        }
+        attend_rows(&c->a, c->a.block_tables + g * c->a.max_blocks, kh, R, q, o, last, scores);
+        free(scores);
+    }
+}
+
+/* Returns 0, or -1 when out of memory. Every q_len must be >= 1 and <= its chunk's seq_len. */
+int plinth_prefill_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables,
+                             int64_t max_blocks, const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
+                             float *out, int64_t G, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks,
+                             float scale, int64_t window, float soft_cap) {
+    int64_t tiles = 0, work = 0;
+    for (int64_t g = 0; g < G; g++) tiles += (q_lens[g] + ATTN_ROWS - 1) / ATTN_ROWS, work += (int64_t)q_lens[g] * seq_lens[g];
+    int64_t *tile_chunk = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * tiles + 1));
+    if (!tile_chunk) return -1;
+    int64_t *tile_row = tile_chunk + tiles, t = 0;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < q_lens[g]; j += ATTN_ROWS) tile_chunk[t] = g, tile_row[t] = j, t++;
+    prefill_ctx c = {{q, sq, cache, block_tables, max_blocks, NULL, out, 0, H, Hk, D, bs, num_blocks, scale, window,
+                      soft_cap, 0},
+                     q_start, q_lens, seq_lens, tile_chunk, tile_row, tiles};
+    /* items of at least ~64k multiply-adds, as for decodes */
+    int64_t per_item = (work / (tiles ? tiles : 1) + 1) * (H / Hk) * D * 2;
+    parallel_for(prefill_attention_range, &c, tiles * Hk, 65536 / per_item + 1);
+    free(tile_chunk);
+    return atomic_load(&c.a.failed) ? -1 : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
