@@ -404,8 +404,9 @@ static float *pack_buffer(size_t floats) {
     return pack_buf;
 }
 
-/* 8 rows of w (K apart; rows past `rows` read as zeros) by 8 columns into P (16 apart) */
-static inline __attribute__((always_inline)) void transpose8(const float *w, int64_t K, float *P, int rows) {
+/* 8 rows of w (K apart; rows past `rows` read as zeros) by 8 columns into P, column j at P + j * ldp
+ * (8 floats each, stored in order: with ldp < 8 each store's tail is overwritten by the next) */
+static inline __attribute__((always_inline)) void transpose8(const float *w, int64_t K, float *P, int64_t ldp, int rows) {
     __m256 r0, r1, r2, r3, r4, r5, r6, r7, z = _mm256_setzero_ps();
     r0 = rows > 0 ? _mm256_loadu_ps(w) : z;
     r1 = rows > 1 ? _mm256_loadu_ps(w + K) : z;
@@ -423,22 +424,22 @@ static inline __attribute__((always_inline)) void transpose8(const float *w, int
     __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
     __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
     __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_store_ps(P + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_store_ps(P + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_store_ps(P + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_store_ps(P + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_store_ps(P + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_store_ps(P + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_store_ps(P + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_store_ps(P + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+    _mm256_storeu_ps(P + 0 * ldp, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(P + 1 * ldp, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(P + 2 * ldp, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(P + 3 * ldp, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(P + 4 * ldp, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(P + 5 * ldp, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(P + 6 * ldp, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(P + 7 * ldp, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
 /* rows [0, rows) of w (K apart) into P[K][16]; missing rows are zeros */
 static void pack16(const float *w, int64_t K, int64_t rows, float *P) {
     int lo = rows < 8 ? (int)rows : 8, hi = rows > 8 ? (int)rows - 8 : 0;
     for (int64_t k = 0; k < K; k += 8) {
-        transpose8(w + k, K, P + k * 16, lo);
-        transpose8(w + 8 * K + k, K, P + k * 16 + 8, hi);
+        transpose8(w + k, K, P + k * 16, 16, lo);
+        transpose8(w + 8 * K + k, K, P + k * 16 + 8, 16, hi);
     }
 }
 
@@ -471,15 +472,18 @@ typedef struct {
     int64_t M, K;
 } pack_x_ctx;
 
-/* items are 6-row micro-panels; rows past M are zeros */
+/* Floats per packed micro-panel: 6 x K, and 2 more that the last 8-float store of its transposes
+ * spills into (K is a multiple of 8). */
+#define PANEL_X(K) ((K) * 6 + 8)
+
+/* items are 6-row micro-panels; rows past M are zeros (8x8 register transposes of 6 rows) */
 static void pack_x_range(void *p, int64_t begin, int64_t end) {
     pack_x_ctx *c = (pack_x_ctx *)p;
     int64_t M = c->M, K = c->K;
     for (int64_t t = begin; t < end; t++) {
-        float *At = c->A + t * K * 6;
+        float *At = c->A + t * PANEL_X(K);
         int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t i = 0; i < 6; i++) At[k * 6 + i] = i < mr ? c->x[(m + i) * K + k] : 0.0f;
+        for (int64_t k = 0; k < K; k += 8) transpose8(c->x + m * K + k, K, At + k * 6, 6, (int)mr);
     }
 }
 
@@ -524,7 +528,7 @@ static void gemm_packed_range(void *p, int64_t begin, int64_t end) {
                 const float *Pj = P + j * K * 16 + k0 * 16;
                 for (int64_t t = t0; t < t1; t++) {
                     int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
-                    const float *At = c->A + t * K * 6 + k0 * 6;
+                    const float *At = c->A + t * PANEL_X(K) + k0 * 6;
                     if (mr == 6 && cols == 16) {
                         kern6x16(At, kc, Pj, c->y + m * N + nj, N, k0 > 0);
                         continue;
@@ -555,7 +559,7 @@ static uint64_t packed_calls;
 /* Returns 0, or -1 when there was no memory for the packed operands (nothing usable written). */
 static int gemm_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
     int64_t tiles = (M + 5) / 6;
-    size_t need = (size_t)tiles * 6 * (size_t)K;
+    size_t need = (size_t)tiles * (size_t)PANEL_X(K);
     if (packed_x_cap < need) {
         free(packed_x);
         packed_x = (float *)aligned_alloc(64, need * sizeof(float));
@@ -566,7 +570,7 @@ static int gemm_packed(const float *x, const float *w, const float *bias, float 
     parallel_for(pack_x_range, &px, tiles, grain_for(tiles, 4));
     int64_t groups = (N + 16 * PACK_GP - 1) / (16 * PACK_GP), blocks = (tiles + PACK_MC / 6 - 1) / (PACK_MC / 6);
     packed_ctx c = {packed_x, w, bias, y, M, N, K, blocks, ++packed_calls, 0};
-    parallel_for(gemm_packed_range, &c, groups * blocks, grain_for(groups * blocks, 1));
+    parallel_for(gemm_packed_range, &c, groups * blocks, 1); /* items are ~10-100 us: claim one at a time, so threads finish together */
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
