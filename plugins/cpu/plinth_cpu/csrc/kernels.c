@@ -443,27 +443,44 @@ static void pack16(const float *w, int64_t K, int64_t rows, float *P) {
     }
 }
 
-/* y[6][16] (rows ldy apart) = A[kc][6] @ P[kc][16], added to y when acc */
-static void kern6x16(const float *A, int64_t kc, const float *P, float *y, int64_t ldy, int acc) {
+/* y[mr][16] (rows ldy apart) = A[kc][6] @ P[kc][16] for the first mr of A's 6 rows, added to y
+ * when acc; mr is a constant where this is inlined, so only mr rows of registers are live */
+#define KROW(i)                                                                                                \
+    if (mr > i) {                                                                                              \
+        __m256 a = _mm256_broadcast_ss(A + i);                                                                 \
+        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0), c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                  \
+    }
+#define KOUT(i)                                                                                                \
+    if (mr > i) {                                                                                              \
+        if (acc) {                                                                                             \
+            c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(y + i * ldy));                                    \
+            c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(y + i * ldy + 8));                                \
+        }                                                                                                      \
+        _mm256_storeu_ps(y + i * ldy, c##i##0), _mm256_storeu_ps(y + i * ldy + 8, c##i##1);                    \
+    }
+static inline __attribute__((always_inline)) void kern_rows(int mr, const float *A, int64_t kc, const float *P, float *y,
+                                                            int64_t ldy, int acc) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t k = 0; k < kc; k++, A += 6, P += 16) {
-        __m256 b0 = _mm256_load_ps(P), b1 = _mm256_load_ps(P + 8), a;
-        a = _mm256_broadcast_ss(A + 0), c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
-        a = _mm256_broadcast_ss(A + 1), c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
-        a = _mm256_broadcast_ss(A + 2), c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
-        a = _mm256_broadcast_ss(A + 3), c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
-        a = _mm256_broadcast_ss(A + 4), c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
-        a = _mm256_broadcast_ss(A + 5), c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
+        __m256 b0 = _mm256_load_ps(P), b1 = _mm256_load_ps(P + 8);
+        KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
     }
-#define OUT(i, lo, hi)                                                                                         \
-    if (acc) {                                                                                                 \
-        lo = _mm256_add_ps(lo, _mm256_loadu_ps(y + i * ldy));                                                  \
-        hi = _mm256_add_ps(hi, _mm256_loadu_ps(y + i * ldy + 8));                                              \
-    }                                                                                                          \
-    _mm256_storeu_ps(y + i * ldy, lo), _mm256_storeu_ps(y + i * ldy + 8, hi);
-    OUT(0, c00, c01) OUT(1, c10, c11) OUT(2, c20, c21) OUT(3, c30, c31) OUT(4, c40, c41) OUT(5, c50, c51)
-#undef OUT
+    KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
+}
+#undef KROW
+#undef KOUT
+
+/* kern_rows for any mr in 1..6 (the last rows of x need no zero rows multiplied) */
+static void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P, float *y, int64_t ldy, int acc) {
+    switch (mr) {
+    case 6: kern_rows(6, A, kc, P, y, ldy, acc); break;
+    case 5: kern_rows(5, A, kc, P, y, ldy, acc); break;
+    case 4: kern_rows(4, A, kc, P, y, ldy, acc); break;
+    case 3: kern_rows(3, A, kc, P, y, ldy, acc); break;
+    case 2: kern_rows(2, A, kc, P, y, ldy, acc); break;
+    default: kern_rows(1, A, kc, P, y, ldy, acc); break;
+    }
 }
 
 typedef struct {
@@ -529,15 +546,15 @@ static void gemm_packed_range(void *p, int64_t begin, int64_t end) {
                 for (int64_t t = t0; t < t1; t++) {
                     int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
                     const float *At = c->A + t * PANEL_X(K) + k0 * 6;
-                    if (mr == 6 && cols == 16) {
-                        kern6x16(At, kc, Pj, c->y + m * N + nj, N, k0 > 0);
+                    if (cols == 16) {
+                        kern6x16(mr, At, kc, Pj, c->y + m * N + nj, N, k0 > 0);
                         continue;
                     }
-                    /* an edge tile: through a 6x16 scratch tile, only the real rows and columns */
+                    /* the last panel's missing columns: through a scratch tile, only the real ones */
                     if (k0 > 0)
                         for (int64_t i = 0; i < mr; i++)
                             memcpy(tile + i * 16, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
-                    kern6x16(At, kc, Pj, tile, 16, k0 > 0);
+                    kern6x16(mr, At, kc, Pj, tile, 16, k0 > 0);
                     for (int64_t i = 0; i < mr; i++)
                         memcpy(c->y + (m + i) * N + nj, tile + i * 16, sizeof(float) * (size_t)cols);
                 }
