@@ -1,8 +1,13 @@
 """Paged attention and KV-cache writes for the CPU backend, vectorised over the whole batch.
 
-One ``forward`` serves any mix of prefill chunks and decodes. Sequences are split on the host
-(from ``query_lens_host``, no tensor sync) into at most two groups, so a long prefill does not pad
-every decode up to its query length:
+One ``forward`` serves any mix of prefill chunks and decodes. With fp32 queries over an fp32 cache
+and the native kernels, a pure decode step is one native call, and otherwise decodes and prefill
+chunks are one native call each: every (query row, KV head) reads its keys and values in place from
+the cache pages, and a prefill chunk's rows go four at a time, sharing each block of keys and page of
+values (csrc/kernels.c, ``attend_rows``). Nothing is gathered, padded or masked.
+
+Other dtypes take torch. Sequences are split on the host (from ``query_lens_host``, no tensor sync)
+into at most two groups, so a long prefill does not pad every decode up to its query length:
 
 * decodes (``q_len == 1``): the query heads of one KV head are folded into the rows of one small
   batched matmul for ``QK^T`` (``[B, Hkv, group, D]``, so GQA needs no repeated K); ``PV`` is an

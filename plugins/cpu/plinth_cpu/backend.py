@@ -178,9 +178,13 @@ class CpuBackend(Backend):
         """
         shape = CPU_KV_LAYOUT.shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
         dtype = torch_dtype(spec.kv_cache_dtype)
-        pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # freed with the tensor (it holds a reference)
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; a no-op where THP is off
-            pages.madvise(mmap.MADV_HUGEPAGE)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+            # private: a shared anonymous mapping (mmap's default) is shmem, which gets no THP by default
+            pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            pages.madvise(mmap.MADV_HUGEPAGE)  # a no-op where THP is off
+        else:
+            pages = mmap.mmap(-1, nbytes)  # freed with the tensor (it holds a reference)
         return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
     def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:

@@ -246,6 +246,45 @@ def test_decode_attention_matches_torch_path(
 
 
 @needs_native
+@pytest.mark.parametrize(
+    "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
+)
+@pytest.mark.parametrize("block_size,head_size", [(4, 32), (16, 32), (16, 80)])  # 80: a 64-wide and an 8-wide slice
+def test_prefill_attention_matches_torch_path(
+    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int,
+    head_size: int,
+) -> None:  # fmt: skip
+    """Prefill chunks (some after earlier context, some shorter than the four-row tile) mixed with
+    decodes: the native kernels against the torch path."""
+    gen = torch.Generator().manual_seed(13)
+    spec = AttentionSpec(
+        num_heads=2 * group,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=block_size,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
+    )
+    seq_lens, q_lens = [9, 5, 40, 16, 70, 2], [1, 5, 13, 1, 37, 2]
+    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen)
+    starts = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=starts,
+        seq_lens=decode_meta.seq_lens,
+        block_tables=decode_meta.block_tables,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+    )
+    q = torch.randn(sum(q_lens), spec.num_heads, head_size, generator=gen)
+    got = CpuAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
+    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
     gen = torch.Generator().manual_seed(5)
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, block_size=4)

@@ -276,7 +276,7 @@ void plinth_read_probe(const float *x, float *out, int64_t n) {
 
 /* ---------------------------------------------------------------------------------------------
  * fp32 GEMM: y[M, N] = x[M, K] @ w[N, K]^T + b, K a multiple of 8.
- * Below 256 rows, work items are groups of 3 weight rows, and a thread's item range is walked as
+ * Below PACKED_MIN_ROWS (96) rows, work items are groups of 3 weight rows; a thread's range is walked as
  * three far-apart segments (rows n, n + S, n + 2S together): three sequential streams from memory
  * where adjacent rows would make one (one stream per thread read 7-9 GB/s here, three 13.7-15.4).
  * A 4x3 register tile (12 accumulators along K, 4 activation rows by 3 weight rows) keeps the FMA
