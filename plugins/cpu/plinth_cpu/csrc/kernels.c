@@ -904,19 +904,23 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; n++) {
         const char *row = c->w + (size_t)n * c->nb * c->bsz;
         float *o = c->out + n * c->K;
-        for (int64_t b = 0; b < c->nb; b++) {
+        for (int64_t b = 0; b < c->nb; b++) { /* 8 values per vector: widen, convert, scale */
             float *ob = o + b * QK;
-            if (c->fmt == 0) {
+            if (c->fmt == 0) { /* value j is d * nibble + m: low nibbles are values 0-15, high ones 16-31 */
                 const block_q4_1 *blk = (const block_q4_1 *)(row + b * c->bsz);
-                float d = fp16_to_f32(blk->d), m = fp16_to_f32(blk->m);
-                for (int j = 0; j < QK / 2; j++) {
-                    ob[j] = d * (float)(blk->qs[j] & 0x0F) + m;
-                    ob[j + QK / 2] = d * (float)(blk->qs[j] >> 4) + m;
-                }
+                __m256 d = _mm256_set1_ps(fp16_to_f32(blk->d)), m = _mm256_set1_ps(fp16_to_f32(blk->m));
+                __m128i q = _mm_loadu_si128((const __m128i *)blk->qs), low4 = _mm_set1_epi8(0x0F);
+                __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+                __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int i = 0; i < 4; i++)
+                    _mm256_storeu_ps(ob + 8 * i, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), m));
             } else {
                 const block_q8_0 *blk = (const block_q8_0 *)(row + b * c->bsz);
-                float d = fp16_to_f32(blk->d);
-                for (int j = 0; j < QK; j++) ob[j] = d * (float)blk->q[j];
+                __m256 d = _mm256_set1_ps(fp16_to_f32(blk->d));
+                for (int i = 0; i < 4; i++) {
+                    __m128i q = _mm_loadl_epi64((const __m128i *)(blk->q + 8 * i));
+                    _mm256_storeu_ps(ob + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+                }
             }
         }
     }
