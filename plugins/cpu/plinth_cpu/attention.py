@@ -189,13 +189,12 @@ class CpuAttention(AttentionKernels):
         past ``query_start_loc[-1]``) get zeros.
         """
         num_tokens, num_heads, head_size = query.shape
-        native = self._native
+        # the native kernels read fp32 queries over a contiguous fp32 cache; torch takes the rest
+        native = self._native if query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() else None
         if (
             native is not None
             and meta.max_query_len == 1
             and len(meta.query_lens_host) == num_tokens == meta.query_lens_host.count(1)
-            and query.dtype == kv_cache.dtype == torch.float32
-            and kv_cache.is_contiguous()
         ):
             # a pure decode step (one token per sequence, packed from row 0): one native call
             return self._native_decode(native, query, kv_cache, meta.block_tables, meta.seq_lens, scale)
@@ -216,14 +215,17 @@ class CpuAttention(AttentionKernels):
         out = query.new_empty(num_tokens + 1, num_heads, head_size)
         out[: starts[0] if starts else num_tokens].zero_()
         out[pos:].zero_()
-        if decodes:
-            self._decode(query, kv_cache, meta, scale, decodes, [starts[i] for i in decodes], out)
-        if prefills:
-            prefill_starts = [starts[i] for i in prefills]
-            if native is not None and query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous():
-                self._prefill_native(native, query, kv_cache, meta, scale, prefills, prefill_starts, out)
+        for ids, native_path, torch_path in (
+            (decodes, self._decode_native, self._decode),
+            (prefills, self._prefill_native, self._prefill),
+        ):
+            if not ids:
+                continue
+            group_starts = [starts[i] for i in ids]
+            if native is not None:
+                native_path(native, query, kv_cache, meta, scale, ids, group_starts, out)
             else:
-                self._prefill(query, kv_cache, meta, scale, prefills, prefill_starts, out)
+                torch_path(query, kv_cache, meta, scale, ids, group_starts, out)
         return out[:num_tokens]
 
     def _tiles(self, kv_cache: torch.Tensor, meta: AttentionMetadata, ids: list[int]) -> torch.Tensor:
@@ -300,9 +302,6 @@ class CpuAttention(AttentionKernels):
         acc = _accumulate_dtype(query.dtype)
         dev = query.device
         G = len(ids)
-        if self._native is not None and query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous():
-            self._decode_native(self._native, query, kv_cache, meta, scale, ids, starts, out)
-            return
         seq = torch.tensor([meta.seq_lens_host[i] for i in ids], device=dev)  # [G]
         tiles = self._tiles(kv_cache, meta, ids)  # [G, Hkv, nb]
         S = tiles.shape[2] * block_size
@@ -405,7 +404,7 @@ class CpuAttention(AttentionKernels):
         native.prefill_attention(
             query,
             kv_cache,
-            tables if tables.dtype == torch.int32 else tables.to(torch.int32),
+            tables.to(torch.int32),
             torch.tensor(starts, dtype=torch.int64),
             torch.tensor([meta.query_lens_host[i] for i in ids], dtype=torch.int32),
             torch.tensor([meta.seq_lens_host[i] for i in ids], dtype=torch.int32),
