@@ -1,11 +1,14 @@
 """GEMM for the CPU backend: dense fp32/bf16/fp16 weights and ggml q4_1/q8_0 blocks.
 
-Dense fp32 weights stay ``[N, K]`` row-major and go through the native kernel: at batch 1 it
-streams the weight once at close to read bandwidth (torch's M=1 GEMM reaches about a third of it
-here), and batched its register tiles run on the backend's own thread pool, which keeps going when
-a thread is descheduled (see NATIVE_DENSE_MAX_ROWS). Other dtypes use ``F.linear``. A row-major
-``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
-pre-transposed.
+With the native kernels, fp32 weights are laid out once at load in 8-row panels
+(``[ceil(N/8), K, 8]``, format ``"f32_panels"``, replacing the ``[N, K]`` tensor): one k of a
+panel is one vector of 8 outputs' weights, so the register tiles need no horizontal sums and keep
+a tile's weights in L1 across a decode batch (see ``csrc/kernels.c``). At batch 1 the kernel
+streams the weights at close to read bandwidth (torch's M=1 GEMM reaches about a third of it
+here), and batched it runs on the backend's own thread pool, which keeps going when a thread is
+descheduled. Other dtypes, and fp32 without native kernels, stay ``[N, K]`` and use
+``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the
+weight is never pre-transposed.
 
 Quantized weights keep their GGUF blocks (never dequantized at load). Few rows (decode): the
 native kernel unpacks each block in registers and multiplies it with the activations rounded to
@@ -16,10 +19,10 @@ is exact up to fp32 rounding but slower: AVX2 has to convert every weight to flo
 memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into a
 cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
 dequantization is then a small share of the work. Prefill-sized products dequantize the whole
-weight into a reused scratch buffer (at most a few MB per layer) and go through the dense path.
-"int8" rounds activations to int8 per 32-block first on every path, as llama.cpp does: logits
-off by the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip near-tied greedy
-choices).
+weight into panels in a reused scratch buffer (at most a few MB per layer) and go through the
+panel kernel. "int8" rounds activations to int8 per 32-block first on every path, as llama.cpp
+does: logits off by the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip
+near-tied greedy choices).
 """
 
 from __future__ import annotations
@@ -33,12 +36,8 @@ from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.quant import QuantizedWeight
 from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 
-#: Dense fp32 products with at most this many rows use the native kernel, the rest F.linear.
-#: Measured here (SmolLM2's four layer shapes, 2 threads, load average 2.5 from other jobs):
-#: native 52-74 GFLOP/s from 64 to 1024 rows, F.linear 13-54 (its OpenMP barriers stall when a
-#: thread is descheduled): 4.1x at 64 rows, 1.4x at 1024. The 64-request throughput workload ran
-#: 1.37x faster with every product native than with F.linear above 64 rows, side by side.
-NATIVE_DENSE_MAX_ROWS = 4096
+#: ``LinearWeight.format`` of an fp32 weight laid out in 8-row panels for the native kernels.
+PANELS = "f32_panels"
 #: Activation handling for quantized weights at few rows: "int16" (default), "fp32" or "int8".
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
 ACTIVATION_MODES = ("int16", "fp32", "int8")
@@ -68,10 +67,15 @@ class CpuGemm(GemmKernels):
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
-        """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous, on the CPU."""
+        """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype on the CPU; fp32 weights
+        the native kernels take are laid out in panels (format ``"f32_panels"``)."""
         w = weight.to(device="cpu", dtype=self.dtype).contiguous()  # [N, K]
         b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).contiguous()  # [N]
-        return LinearWeight(out_features=w.shape[0], in_features=w.shape[1], weight=w, bias=b)
+        n, k = w.shape
+        if self.native is not None and self.dtype == torch.float32 and k % 8 == 0:
+            panels = self.native.pack_f32(w)  # [ceil(N/8), K, 8]
+            return LinearWeight(n, k, weight=None, bias=b, format=PANELS, data={"panels": panels})
+        return LinearWeight(out_features=n, in_features=k, weight=w, bias=b)
 
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
         """Keep q4_1/q8_0 blocks as they are (the bias in fp32); other formats are dequantized."""
@@ -89,22 +93,21 @@ class CpuGemm(GemmKernels):
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] -> [M, N]."""
+        if weight.format == PANELS:
+            return self._panels(x, weight.data["panels"], weight.bias, weight.out_features)
         if weight.format != "dense":
             return self._linear_quantized(x, weight)
         if weight.weight is None:
             raise ValueError(f"CpuGemm got a {weight.format!r} weight without a dense tensor")
-        return self._dense(x, weight.weight, weight.bias)
+        return F.linear(x, weight.weight, weight.bias)
 
-    def _dense(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (
-            self.native is not None
-            and x.dtype == torch.float32
-            and w.dtype == torch.float32
-            and x.shape[0] <= NATIVE_DENSE_MAX_ROWS
-            and w.shape[1] % 8 == 0
-        ):
-            return self.native.gemm_f32(x.contiguous(), w, bias)
-        return F.linear(x, w, bias)
+    def _panels(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        native = self.native
+        if native is None:
+            raise ValueError(f"CpuGemm got a {PANELS!r} weight but has no native kernels")
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        y = native.gemm_f32_panels(xf, panels, bias, n)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _linear_quantized(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         native = self.native
@@ -121,10 +124,11 @@ class CpuGemm(GemmKernels):
                 xf = native.round_trip_q8(xf)
             if m <= DEQUANT_ROWS_MAX_ROWS:  # fp32 tiles on 3 rows dequantized at a time
                 y = native.gemm_dequant(weight.format, xf, blocks, weight.bias, n)
-            else:  # prefill-sized: the whole weight dequantized once into scratch
+            else:  # prefill-sized: the whole weight dequantized once into panels in scratch
                 k = weight.in_features
-                if self._scratch is None or self._scratch.numel() < n * k:
-                    self._scratch = torch.empty(n * k, dtype=torch.float32)
-                w = native.dequant(weight.format, blocks, n, k, self._scratch[: n * k].view(n, k))
-                y = self._dense(xf, w, weight.bias)
+                size = (n + 7) // 8 * 8 * k
+                if self._scratch is None or self._scratch.numel() < size:
+                    self._scratch = torch.empty(size, dtype=torch.float32)
+                panels = native.dequant_panels(weight.format, blocks, n, k, self._scratch)
+                y = native.gemm_f32_panels(xf, panels, weight.bias, n)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

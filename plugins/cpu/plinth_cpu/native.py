@@ -30,7 +30,7 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
@@ -41,6 +41,9 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "plinth_get_num_threads": (c_int, []),
     "plinth_read_probe": (None, [c_void_p, c_void_p, c_int64]),
     "plinth_gemm_f32": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
+    "plinth_pack_f32_panels": (None, [c_void_p, c_void_p, c_int64, c_int64]),
+    "plinth_gemm_f32_panels": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
+    "plinth_dequant_panels": (c_int, [c_int, c_void_p, c_void_p, c_int64, c_int64]),
     "plinth_gemm_quant": (c_int, [c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
     "plinth_dequant": (None, [c_int, c_void_p, c_void_p, c_int64, c_int64]),
     "plinth_round_trip_q8": (None, [c_void_p, c_void_p, c_int64, c_int64]),
@@ -79,6 +82,8 @@ GRAPH_OPS: dict[str, int] = {
     "plinth_rotary": 8,
     "plinth_write_kv": 9,
     "plinth_decode_attention": 10,
+    "plinth_gemm_f32_panels": 11,
+    "plinth_dequant_panels": 12,
 }
 
 
@@ -256,6 +261,32 @@ class NativeKernels:
         self.lib.plinth_gemm_f32(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
                                  y.data_ptr(), M, N, K)  # fmt: skip
         return y
+
+    def pack_f32(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` [N, K] (fp32, contiguous, K a multiple of 8) as 8-row panels ``[ceil(N/8), K, 8]``.
+
+        Panel ``p`` holds rows ``8p..8p+7`` k-major; the last panel's missing rows are zeros. The
+        layout :meth:`gemm_f32_panels` multiplies."""
+        N, K = w.shape
+        panels = torch.empty((N + 7) // 8, K, 8, dtype=torch.float32)
+        self.lib.plinth_pack_f32_panels(w.data_ptr(), panels.data_ptr(), N, K)
+        return panels
+
+    def gemm_f32_panels(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """``x`` [M, K] @ w^T (+ ``bias``) for a weight of ``n`` rows laid out by :meth:`pack_f32`."""
+        M, K = x.shape
+        y = torch.empty(M, n, dtype=torch.float32)
+        self.lib.plinth_gemm_f32_panels(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                                        y.data_ptr(), M, n, K)  # fmt: skip
+        return y
+
+    def dequant_panels(self, fmt: str, blocks: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of a ggml ``fmt`` weight [n, k] in the panels of :meth:`pack_f32`, into
+        ``out`` (at least ``ceil(n/8) * 8 * k`` floats); returns the panels as ``[ceil(n/8), k, 8]``."""
+        panels = out.view(-1)[: (n + 7) // 8 * 8 * k].view((n + 7) // 8, k, 8)
+        if self.lib.plinth_dequant_panels(QUANT_FORMATS[fmt][0], blocks.data_ptr(), panels.data_ptr(), n, k):
+            raise MemoryError(f"no memory to dequantize a {n} x {k} weight into panels")
+        return panels
 
     def gemm_quant(
         self,

@@ -103,7 +103,7 @@ def test_default_model_native_q4_1(activations: str, monkeypatch: pytest.MonkeyP
     assert native.engine.model.lm_head.weight.format == "q8_0"  # tied Q8_0 embedding, kept
     assert native.engine.model.layers[0].mlp.down_proj.weight.format == "q4_1"
     fp32 = LLM(backend="cpu", max_model_len=256, quantization="none")
-    assert fp32.engine.model.lm_head.weight.format == "dense"
+    assert fp32.engine.model.lm_head.weight.format in ("dense", "f32_panels")  # dequantized at load
     got, ref = (llm.generate([prompt], params)[0].outputs[0] for llm in (native, fp32))
     assert got.token_ids == ref.token_ids
     assert got.logprobs is not None and ref.logprobs is not None

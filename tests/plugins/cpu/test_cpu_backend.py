@@ -151,7 +151,8 @@ def test_gemm_refuses_undeclared_dtype() -> None:
 
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_gemm_float32_matches_reference(with_bias: bool) -> None:
-    """prepare keeps [N, K] contiguous in the compute dtype; linear equals x @ w.T + b."""
+    """prepare lays the weight out in 8-row panels (native kernels) or keeps [N, K] contiguous;
+    linear equals x @ w.T + b either way."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 80, generator=gen)
     b = torch.randn(48, generator=gen) if with_bias else None
@@ -159,7 +160,11 @@ def test_gemm_float32_matches_reference(with_bias: bool) -> None:
     gemm = CpuBackend().gemm_kernels("float32")
     assert isinstance(gemm, CpuGemm)
     prepared = gemm.prepare(w.t().contiguous().t(), b)  # a strided weight comes out contiguous
-    assert prepared.weight is not None and prepared.weight.is_contiguous()
+    if gemm.native is not None:
+        assert prepared.format == "f32_panels" and prepared.weight is None
+        assert prepared.data["panels"].shape == (6, 80, 8)
+    else:
+        assert prepared.weight is not None and prepared.weight.is_contiguous()
     assert (prepared.out_features, prepared.in_features) == (48, 80)
     ref = ReferenceGemm(torch.float32)
     torch.testing.assert_close(gemm.linear(x, prepared), ref.linear(x, ref.prepare(w, b)))

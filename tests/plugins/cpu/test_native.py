@@ -76,11 +76,12 @@ def _activation_error_bound(x: torch.Tensor, w: torch.Tensor, levels: int = 127)
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 3, 8, 45, 70, 96, 101, 263])  # 96+: packed panels, 6-row tiles, 48-row blocks
+@pytest.mark.parametrize("m", [1, 3, 8, 45, 70, 101])  # 4-row tiles, 1-row tiles, 64-row blocks
 @pytest.mark.parametrize("n", [13, 96, 100])
-@pytest.mark.parametrize("k", [64, 1544])  # 1544: three passes over K in the packed path
+@pytest.mark.parametrize("k", [64, 1544])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int, k: int, bias: bool) -> None:
+    """The row-major weight path (3-row tiles over three far-apart segments)."""
     gen = torch.Generator().manual_seed(m * 100 + n + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
@@ -89,15 +90,28 @@ def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int
 
 
 @needs_native
-def test_gemm_f32_packed_weights_rewritten_between_calls(nk: NativeKernels, threads: int) -> None:
-    """A thread reuses the weight panels it packed only within one call: a second call over the
-    same buffer, refilled, must see the new weights."""
-    gen = torch.Generator().manual_seed(3)
-    x, w = torch.randn(200, 64, generator=gen), torch.randn(40, 64, generator=gen)
-    first = nk.gemm_f32(x, w, None)
-    torch.testing.assert_close(first, F.linear(x, w), rtol=1e-5, atol=1e-5)
-    w.copy_(torch.randn(40, 64, generator=gen))
-    torch.testing.assert_close(nk.gemm_f32(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("m", [1, 4, 5, 45, 70, 263])  # up to 4 rows: K in one pass; 64-row blocks
+@pytest.mark.parametrize("n", [8, 13, 100, 200])  # 13, 100: a last panel of 5 and 4 rows
+@pytest.mark.parametrize("k", [64, 1544])  # 1544: 13 blocks of K, the last one shorter
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_f32_panels_matches_linear(nk: NativeKernels, threads: int, m: int, n: int, k: int, bias: bool) -> None:
+    """The panel path: triples of panels from three segments, leftover panels, partial last panel."""
+    gen = torch.Generator().manual_seed(m * 100 + n + k + 7)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    tol = 1e-5 * k**0.5
+    got = nk.gemm_f32_panels(x, nk.pack_f32(w), b, n)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=tol, atol=tol)
+
+
+@needs_native
+def test_pack_f32_layout(nk: NativeKernels, threads: int) -> None:
+    """Panel p holds rows 8p..8p+7 k-major; the last panel's missing rows are zeros."""
+    w = torch.randn(21, 32)
+    panels = nk.pack_f32(w)
+    assert panels.shape == (3, 32, 8)
+    padded = torch.cat((w, torch.zeros(3, 32)))  # 24 rows
+    assert torch.equal(panels, padded.view(3, 8, 32).transpose(1, 2))
 
 
 @needs_native
@@ -151,6 +165,18 @@ def test_dequant_matches_reference(nk: NativeKernels, fmt: str) -> None:
     gen = torch.Generator().manual_seed(3)
     qw = _q4_1(24, 96, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(24, 96, generator=gen))
     torch.testing.assert_close(nk.dequant(fmt, qw.blocks, 24, 96), dequantize(qw), rtol=1e-6, atol=1e-7)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_dequant_panels_match_packed_reference(nk: NativeKernels, threads: int, fmt: str) -> None:
+    """Dequantized straight into panels: the panels of the dequantized weight (19 rows: a partial
+    last panel), written over a scratch buffer holding garbage."""
+    gen = torch.Generator().manual_seed(4)
+    qw = _q4_1(19, 96, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(19, 96, generator=gen))
+    scratch = torch.full((3 * 8 * 96 + 5,), float("nan"))
+    panels = nk.dequant_panels(fmt, qw.blocks, 19, 96, scratch)
+    torch.testing.assert_close(panels, nk.pack_f32(dequantize(qw)), rtol=1e-6, atol=1e-7)
 
 
 def test_quantize_q8_0_round_trip() -> None:
@@ -357,6 +383,7 @@ class _GraphInputs:
         self.cache = torch.zeros(CPU_KV_LAYOUT.shape(16, 4, Hk, D))
         # weights: fixed for the graph's life
         self.w = torch.randn(40, 64, generator=gen)
+        self.panels = torch.cat((self.w, torch.zeros(8, 64))).view(6, 8, 64).transpose(1, 2).contiguous()
         self.bias = torch.randn(40, generator=gen)
         self.norm_w = torch.randn(64, generator=gen)
         freqs = torch.arange(64.0)[:, None] * torch.rand(8, generator=gen)[None]
@@ -387,6 +414,7 @@ class _GraphInputs:
         v = self.qkv[:, (H + Hk) * D :].view(3, Hk, D)
         out = [
             nk.gemm_f32(self.x, self.w, self.bias),
+            nk.gemm_f32_panels(self.x, self.panels, self.bias, 40),
             nk.rms_norm(self.x, self.norm_w, 1e-5, residual=residual),
             nk.silu_and_mul(self.gate_up),
             nk.rotary(q, self.positions, self.cos_sin, 16),
@@ -409,10 +437,13 @@ def test_recorded_calls_replay_over_refilled_inputs(threads: int, recording: Nat
     nk.begin_recording()
     outputs = inputs.run(nk, inputs.cache, inputs.residual)  # the calls run while recording
     graph = nk.end_recording()
-    expected_names = ["gemm_f32", "rms_norm", "silu_and_mul", "rotary", "write_kv", "decode_attention"]
+    expected_names = [
+        "gemm_f32", "gemm_f32_panels", "rms_norm", "silu_and_mul", "rotary", "write_kv", "decode_attention"
+    ]  # fmt: skip
     assert graph.names == [f"plinth_{n}" for n in expected_names + ["gemm_quant"] * 2]
-    assert len(graph) == 8 and set(graph.names) <= set(GRAPH_OPS)
-    torch.testing.assert_close(outputs[0], F.linear(inputs.x, inputs.w, inputs.bias), rtol=1e-5, atol=1e-5)
+    assert len(graph) == 9 and set(graph.names) <= set(GRAPH_OPS)
+    for out in outputs[:2]:
+        torch.testing.assert_close(out, F.linear(inputs.x, inputs.w, inputs.bias), rtol=1e-5, atol=1e-5)
 
     for _ in range(3):
         before, cache_before = [o.clone() for o in outputs], inputs.cache.clone()

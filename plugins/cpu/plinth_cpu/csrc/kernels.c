@@ -100,7 +100,7 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-int plinth_abi_version(void) { return 5; }
+int plinth_abi_version(void) { return 6; }
 
 /* ---------------------------------------------------------------------------------------------
  * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
@@ -275,8 +275,10 @@ void plinth_read_probe(const float *x, float *out, int64_t n) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * fp32 GEMM: y[M, N] = x[M, K] @ w[N, K]^T + b, K a multiple of 8.
- * Below PACKED_MIN_ROWS (96) rows, work items are groups of 3 weight rows; a thread's range is walked as
+ * fp32 GEMM over a row-major weight: y[M, N] = x[M, K] @ w[N, K]^T + b, K a multiple of 8. The
+ * backend lays its fp32 weights out in panels at load (below); these row tiles serve a weight as
+ * given and the quantized many-row path, which dequantizes 3 rows at a time.
+ * Work items are groups of 3 weight rows; a thread's range is walked as
  * three far-apart segments (rows n, n + S, n + 2S together): three sequential streams from memory
  * where adjacent rows would make one (one stream per thread read 7-9 GB/s here, three 13.7-15.4).
  * A 4x3 register tile (12 accumulators along K, 4 activation rows by 3 weight rows) keeps the FMA
@@ -378,20 +380,13 @@ static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
     }
 }
 
-/* ---- many rows: blocked as in BLIS (Goto's algorithm) ----
- * x is packed once per call into 6-row micro-panels [ceil(M/6)][K][6], so a k step reads 6
- * consecutive floats; weight rows are packed per item into 16-row panels [K][16] (k-major, one k
- * is two vector loads) with an 8x8 register transpose. A 6x16 register tile (12 accumulators) takes
- * 2 loads and 6 broadcasts per 12 FMAs and ends with no horizontal sums. Items are (weight panel
- * group, 48-row block) pairs, so o_proj's and down_proj's 576 outputs still split evenly over two
- * threads; a thread packs a group's panels once for its consecutive items.
- * Measured here (2 threads, SmolLM2's four shapes, alternating runs): 1024 rows 121-151 GFLOP/s
- * against 111-121 for panels packed per item with unpacked x; 256 rows 119-141 against 106-122. */
-#define PACKED_MIN_ROWS 96
-#define PACK_MC 48  /* activation rows per item: a 48 x K block of micro-panels stays in L2 */
-#define PACK_KC 768 /* K per pass: one pass up to 768, so the output tile is stored once */
-#define PACK_GP 2   /* 16-row panels per item */
+void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    gemm_ctx c = {x, w, bias, y, M, N, K};
+    int64_t groups = (N + 2) / 3;
+    parallel_for(gemm_f32_range, &c, groups, grain_for(groups, 8));
+}
 
+/* a thread's scratch for the rows of one panel, grown on demand */
 static _Thread_local float *pack_buf;
 static _Thread_local size_t pack_cap;
 
@@ -434,17 +429,141 @@ static inline __attribute__((always_inline)) void transpose8(const float *w, int
     _mm256_storeu_ps(P + 7 * ldp, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-/* rows [0, rows) of w (K apart) into P[K][16]; missing rows are zeros */
-static void pack16(const float *w, int64_t K, int64_t rows, float *P) {
-    int lo = rows < 8 ? (int)rows : 8, hi = rows > 8 ? (int)rows - 8 : 0;
-    for (int64_t k = 0; k < K; k += 8) {
-        transpose8(w + k, K, P + k * 16, 16, lo);
-        transpose8(w + 8 * K + k, K, P + k * 16 + 8, 16, hi);
+/* ---------------------------------------------------------------------------------------------
+ * fp32 weights in 8-column panels, laid out once at load: P[ceil(N/8)][K][8], panel p holding
+ * weight rows 8p..8p+7 k-major (the last panel's missing rows are zeros), so one k of a panel is
+ * one aligned vector of 8 outputs' weights. A 4x24 register tile (4 activation rows by 3 panels,
+ * 12 accumulators) takes 3 vector loads and 4 broadcasts per 12 FMAs and ends with plain stores,
+ * no horizontal sums. The three panels of a tile come from three far-apart segments of a thread's
+ * range, three sequential weight streams as in the row-major tiles. With more than 4 rows, K goes
+ * in blocks of PANEL_KC: the 3 x PANEL_KC x 8 weights of a tile stay in L1 while every 4-row
+ * group of a 64-row block of activations passes them, where the row-major tiles re-read both
+ * operands from L2. A panel of one block is contiguous, so the weight streams stay sequential.
+ * Measured here (2 threads, SmolLM2's four layer shapes, weights not in cache, quiet machine,
+ * GFLOP/s, row-major tiles (and the BLIS path this replaced from 96 rows) -> panels):
+ * 4 rows 54 -> 57, 8 rows 73-86 -> 82-90, 16 rows 90-116 -> 103-130, 32 rows 131-137 -> 147-154,
+ * 64 rows 140-145 -> 159-167, 96 rows 148-150 -> 172, 1024 rows 180-183 -> 179-181.
+ */
+#define PANEL_KC 128
+
+static void pack_panels_range(void *p, int64_t begin, int64_t end) {
+    gemm_ctx *c = (gemm_ctx *)p; /* w: the [N, K] weight; y: the panels */
+    int64_t N = c->N, K = c->K;
+    for (int64_t q = begin; q < end; q++) {
+        int rows = N - q * 8 < 8 ? (int)(N - q * 8) : 8;
+        for (int64_t k = 0; k < K; k += 8) transpose8(c->w + q * 8 * K + k, K, c->y + q * 8 * K + k * 8, 8, rows);
     }
 }
 
-/* y[mr][16] (rows ldy apart) = A[kc][6] @ P[kc][16] for the first mr of A's 6 rows, added to y
- * when acc; mr is a constant where this is inlined, so only mr rows of registers are live */
+/* Lays out a weight [N, K] (K a multiple of 8) as panels P [ceil(N/8) * 8 * K]. */
+void plinth_pack_f32_panels(const float *w, float *P, int64_t N, int64_t K) {
+    gemm_ctx c = {NULL, w, NULL, P, 0, N, K};
+    int64_t panels = (N + 7) / 8;
+    parallel_for(pack_panels_range, &c, panels, grain_for(panels, 4));
+}
+
+/* y[0..8) (+ bias) at output columns n0.. of a row, added to what y holds when acc; the last
+ * panel of an N that is not a multiple of 8 stores only its real columns */
+static inline void store8(float *y, __m256 v, int acc, const float *bias, int64_t n0, int64_t N) {
+    if (n0 + 8 <= N) {
+        if (acc) v = _mm256_add_ps(v, _mm256_loadu_ps(y));
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0));
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    float r[8];
+    _mm256_storeu_ps(r, v);
+    for (int64_t j = 0; j < N - n0; j++) y[j] = r[j] + (acc ? y[j] : 0.0f) + (bias ? bias[n0 + j] : 0.0f);
+}
+
+#define PROW(i)                                                                                                \
+    if (r > i) {                                                                                               \
+        __m256 a = _mm256_broadcast_ss(x##i + k);                                                              \
+        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0), c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                  \
+        c##i##2 = _mm256_fmadd_ps(a, b2, c##i##2);                                                             \
+    }
+#define POUT(i)                                                                                                \
+    if (r > i) {                                                                                               \
+        store8(y + i * N + col[0], c##i##0, acc, bias, col[0], N);                                             \
+        store8(y + i * N + col[1], c##i##1, acc, bias, col[1], N);                                             \
+        store8(y + i * N + col[2], c##i##2, acc, bias, col[2], N);                                             \
+    }
+/* r (a constant where inlined, 1..4) activation rows (K apart) by the panels' first kc k; outputs
+ * at columns col[0..2] of rows N apart */
+static inline __attribute__((always_inline)) void panel_tile(int r, const float *x, int64_t K, const float *const P[3],
+                                                             int64_t kc, float *y, int64_t N, const int64_t col[3],
+                                                             int acc, const float *bias) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *p0 = P[0], *p1 = P[1], *p2 = P[2];
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+    __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+    (void)x1, (void)x2, (void)x3;
+    for (int64_t k = 0; k < kc; k++) {
+        __m256 b0 = _mm256_loadu_ps(p0 + 8 * k), b1 = _mm256_loadu_ps(p1 + 8 * k), b2 = _mm256_loadu_ps(p2 + 8 * k);
+        PROW(0) PROW(1) PROW(2) PROW(3)
+    }
+    POUT(0) POUT(1) POUT(2) POUT(3)
+}
+#undef PROW
+#undef POUT
+
+static void panel_tile_rows(int64_t r, const float *x, int64_t K, const float *const P[3], int64_t kc, float *y,
+                            int64_t N, const int64_t col[3], int acc, const float *bias) {
+    switch (r) {
+    case 4: panel_tile(4, x, K, P, kc, y, N, col, acc, bias); break;
+    case 3: panel_tile(3, x, K, P, kc, y, N, col, acc, bias); break;
+    case 2: panel_tile(2, x, K, P, kc, y, N, col, acc, bias); break;
+    default: panel_tile(1, x, K, P, kc, y, N, col, acc, bias); break;
+    }
+}
+
+/* one activation row by one whole panel (a thread's 1-2 panels left over from its triples) */
+static void panel_row(const float *x, const float *P, int64_t K, float *y, int64_t n0, int64_t N, const float *bias) {
+    __m256 a = _mm256_setzero_ps(), b = a;
+    for (int64_t k = 0; k < K; k += 2) { /* two chains: K is a multiple of 8 */
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), _mm256_loadu_ps(P + 8 * k), a);
+        b = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k + 1), _mm256_loadu_ps(P + 8 * k + 8), b);
+    }
+    store8(y + n0, _mm256_add_ps(a, b), 0, bias, n0, N);
+}
+
+/* items are panels; a thread's range is walked as three segments of S panels side by side */
+static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
+    gemm_ctx *c = (gemm_ctx *)p;
+    int64_t M = c->M, N = c->N, K = c->K, S = (end - begin) / 3;
+    int64_t chunks = M <= 4 ? 1 : (K + PANEL_KC - 1) / PANEL_KC, kcs = (K / chunks + 7) / 8 * 8;
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
+        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M;
+        for (int64_t q = begin; q < begin + S; q++) {
+            const int64_t col[3] = {q * 8, (q + S) * 8, (q + 2 * S) * 8};
+            for (int64_t k0 = 0; k0 < K; k0 += kcs) {
+                int64_t kc = K - k0 < kcs ? K - k0 : kcs;
+                const float *P[3] = {c->w + col[0] * K + k0 * 8, c->w + col[1] * K + k0 * 8, c->w + col[2] * K + k0 * 8};
+                const float *bias = k0 + kc >= K ? c->bias : NULL; /* added once, with the last block */
+                for (int64_t m = m0; m < m1; m += 4)
+                    panel_tile_rows(m1 - m < 4 ? m1 - m : 4, c->x + m * K + k0, K, P, kc, c->y + m * N, N, col, k0 > 0,
+                                    bias);
+            }
+        }
+        for (int64_t q = begin + 3 * S; q < end; q++)
+            for (int64_t m = m0; m < m1; m++) panel_row(c->x + m * K, c->w + q * 8 * K, K, c->y + m * N, q * 8, N, c->bias);
+    }
+}
+
+/* ---- many rows (prefill): blocked as in BLIS (Goto's algorithm) ----
+ * x is packed once per call into 6-row micro-panels [ceil(M/6)][K][6] with 8x8 register
+ * transposes, so a k step reads 6 consecutive floats; a 6x16 register tile over two adjacent
+ * weight panels (12 accumulators) takes 2 loads and 6 broadcasts per 12 FMAs. Items are (group of
+ * 4 panels, 48-row block) pairs, row block inner: a thread's consecutive items share their weights
+ * in L1/L2, and o_proj's and down_proj's 576 outputs still split evenly over two threads. In the
+ * model this beat the 4x24 tiles from 96 rows (the 64-request workload's 10 prefill steps 14.4-14.8
+ * against 16.5 s): the row tiles re-read 64 rows of x from L2 for every 24 columns. */
+#define BLOCKED_MIN_ROWS 96
+#define PACK_MC 48 /* activation rows per item: a 48 x K block of micro-panels stays in L2 */
+#define PACK_KC 768 /* K per pass: one pass up to 768, so the output tile is stored once */
+#define PACK_GP 4  /* 8-row panels per item */
+
+/* y[mr][16] (rows ldy apart) = A[kc][6] @ [P0 | P1][kc][16] for the first mr of A's 6 rows, added
+ * to y when acc; mr is a constant where this is inlined, so only mr rows of registers are live */
 #define KROW(i)                                                                                                \
     if (mr > i) {                                                                                              \
         __m256 a = _mm256_broadcast_ss(A + i);                                                                 \
@@ -458,12 +577,12 @@ static void pack16(const float *w, int64_t K, int64_t rows, float *P) {
         }                                                                                                      \
         _mm256_storeu_ps(y + i * ldy, c##i##0), _mm256_storeu_ps(y + i * ldy + 8, c##i##1);                    \
     }
-static inline __attribute__((always_inline)) void kern_rows(int mr, const float *A, int64_t kc, const float *P, float *y,
-                                                            int64_t ldy, int acc) {
+static inline __attribute__((always_inline)) void kern_rows(int mr, const float *A, int64_t kc, const float *P0,
+                                                            const float *P1, float *y, int64_t ldy, int acc) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int64_t k = 0; k < kc; k++, A += 6, P += 16) {
-        __m256 b0 = _mm256_load_ps(P), b1 = _mm256_load_ps(P + 8);
+    for (int64_t k = 0; k < kc; k++, A += 6) {
+        __m256 b0 = _mm256_loadu_ps(P0 + 8 * k), b1 = _mm256_loadu_ps(P1 + 8 * k);
         KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
     }
     KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
@@ -472,14 +591,15 @@ static inline __attribute__((always_inline)) void kern_rows(int mr, const float 
 #undef KOUT
 
 /* kern_rows for any mr in 1..6 (the last rows of x need no zero rows multiplied) */
-static void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P, float *y, int64_t ldy, int acc) {
+static void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P0, const float *P1, float *y, int64_t ldy,
+                     int acc) {
     switch (mr) {
-    case 6: kern_rows(6, A, kc, P, y, ldy, acc); break;
-    case 5: kern_rows(5, A, kc, P, y, ldy, acc); break;
-    case 4: kern_rows(4, A, kc, P, y, ldy, acc); break;
-    case 3: kern_rows(3, A, kc, P, y, ldy, acc); break;
-    case 2: kern_rows(2, A, kc, P, y, ldy, acc); break;
-    default: kern_rows(1, A, kc, P, y, ldy, acc); break;
+    case 6: kern_rows(6, A, kc, P0, P1, y, ldy, acc); break;
+    case 5: kern_rows(5, A, kc, P0, P1, y, ldy, acc); break;
+    case 4: kern_rows(4, A, kc, P0, P1, y, ldy, acc); break;
+    case 3: kern_rows(3, A, kc, P0, P1, y, ldy, acc); break;
+    case 2: kern_rows(2, A, kc, P0, P1, y, ldy, acc); break;
+    default: kern_rows(1, A, kc, P0, P1, y, ldy, acc); break;
     }
 }
 
@@ -508,62 +628,45 @@ typedef struct {
     const float *A, *w, *bias;
     float *y;
     int64_t M, N, K, blocks; /* blocks: PACK_MC-row blocks of M */
-    uint64_t call;           /* tells a thread's packed panels of this call from an earlier call's */
-    _Atomic int failed;
-} packed_ctx;
-
-static _Thread_local uint64_t packed_call;
-static _Thread_local int64_t packed_group = -1;
+} blocked_ctx;
 
 /* items are (panel group, row block) pairs, row block inner */
-static void gemm_packed_range(void *p, int64_t begin, int64_t end) {
-    packed_ctx *c = (packed_ctx *)p;
-    int64_t M = c->M, N = c->N, K = c->K, tiles = (M + 5) / 6;
+static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
+    blocked_ctx *c = (blocked_ctx *)p;
+    int64_t M = c->M, N = c->N, K = c->K, tiles = (M + 5) / 6, panels = (N + 7) / 8;
     int64_t chunks = (K + PACK_KC - 1) / PACK_KC, kcs = (K / chunks + 7) / 8 * 8;
-    float *P = pack_buffer((size_t)K * 16 * PACK_GP + 6 * 16);
-    if (!P) {
-        atomic_store(&c->failed, 1);
-        return;
-    }
-    float *tile = P + K * 16 * PACK_GP;
+    float tile[6 * 16];
     for (int64_t item = begin; item < end; item++) {
         int64_t group = item / c->blocks, block = item % c->blocks;
-        int64_t n0 = group * 16 * PACK_GP, np = (N - n0 + 15) / 16;
-        if (np > PACK_GP) np = PACK_GP;
-        if (packed_call != c->call || packed_group != group) {
-            for (int64_t j = 0; j < np; j++) {
-                int64_t nj = n0 + j * 16;
-                pack16(c->w + nj * K, K, N - nj < 16 ? N - nj : 16, P + j * K * 16);
-            }
-            packed_call = c->call, packed_group = group;
-        }
+        int64_t q0 = group * PACK_GP, q1 = q0 + PACK_GP < panels ? q0 + PACK_GP : panels;
         int64_t t0 = block * (PACK_MC / 6), t1 = t0 + PACK_MC / 6 < tiles ? t0 + PACK_MC / 6 : tiles;
         for (int64_t k0 = 0; k0 < K; k0 += kcs) {
             int64_t kc = K - k0 < kcs ? K - k0 : kcs;
-            for (int64_t j = 0; j < np; j++) {
-                int64_t nj = n0 + j * 16, cols = N - nj < 16 ? N - nj : 16;
-                const float *Pj = P + j * K * 16 + k0 * 16;
+            for (int64_t q = q0; q < q1; q += 2) {
+                int64_t nj = q * 8, cols = N - nj < 16 ? N - nj : 16;
+                const float *P0 = c->w + nj * K + k0 * 8;
+                const float *P1 = q + 1 < q1 ? P0 + 8 * K : P0; /* no second panel: its columns are dropped */
                 for (int64_t t = t0; t < t1; t++) {
                     int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
                     const float *At = c->A + t * PANEL_X(K) + k0 * 6;
                     if (cols == 16) {
-                        kern6x16(mr, At, kc, Pj, c->y + m * N + nj, N, k0 > 0);
+                        kern6x16(mr, At, kc, P0, P1, c->y + m * N + nj, N, k0 > 0);
                         continue;
                     }
-                    /* the last panel's missing columns: through a scratch tile, only the real ones */
+                    /* the last columns: through a scratch tile, only the real ones */
                     if (k0 > 0)
                         for (int64_t i = 0; i < mr; i++)
                             memcpy(tile + i * 16, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
-                    kern6x16(mr, At, kc, Pj, tile, 16, k0 > 0);
+                    kern6x16(mr, At, kc, P0, P1, tile, 16, k0 > 0);
                     for (int64_t i = 0; i < mr; i++)
                         memcpy(c->y + (m + i) * N + nj, tile + i * 16, sizeof(float) * (size_t)cols);
                 }
             }
         }
         if (c->bias) {
-            int64_t n1 = n0 + 16 * PACK_GP < N ? n0 + 16 * PACK_GP : N, m1 = t1 * 6 < M ? t1 * 6 : M;
+            int64_t n1 = q1 * 8 < N ? q1 * 8 : N, m1 = t1 * 6 < M ? t1 * 6 : M;
             for (int64_t m = t0 * 6; m < m1; m++)
-                for (int64_t n = n0; n < n1; n++) c->y[m * N + n] += c->bias[n];
+                for (int64_t n = q0 * 8; n < n1; n++) c->y[m * N + n] += c->bias[n];
         }
     }
 }
@@ -571,10 +674,9 @@ static void gemm_packed_range(void *p, int64_t begin, int64_t end) {
 /* the packed activations, grown on demand (kernel calls come from one thread at a time) */
 static float *packed_x;
 static size_t packed_x_cap;
-static uint64_t packed_calls;
 
-/* Returns 0, or -1 when there was no memory for the packed operands (nothing usable written). */
-static int gemm_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+/* Returns 0, or -1 when there was no memory for the packed activations (nothing written). */
+static int gemm_blocked(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
     int64_t tiles = (M + 5) / 6;
     size_t need = (size_t)tiles * (size_t)PANEL_X(K);
     if (packed_x_cap < need) {
@@ -585,18 +687,21 @@ static int gemm_packed(const float *x, const float *w, const float *bias, float 
     }
     pack_x_ctx px = {x, packed_x, M, K};
     parallel_for(pack_x_range, &px, tiles, grain_for(tiles, 4));
-    int64_t groups = (N + 16 * PACK_GP - 1) / (16 * PACK_GP), blocks = (tiles + PACK_MC / 6 - 1) / (PACK_MC / 6);
-    packed_ctx c = {packed_x, w, bias, y, M, N, K, blocks, ++packed_calls, 0};
-    parallel_for(gemm_packed_range, &c, groups * blocks, 1); /* items are ~10-100 us: claim one at a time, so threads finish together */
-    return atomic_load(&c.failed) ? -1 : 0;
+    int64_t groups = ((N + 7) / 8 + PACK_GP - 1) / PACK_GP, blocks = (tiles + PACK_MC / 6 - 1) / (PACK_MC / 6);
+    blocked_ctx c = {packed_x, P, bias, y, M, N, K, blocks};
+    parallel_for(gemm_blocked_range, &c, groups * blocks, 1); /* items are ~10-100 us: claim one at a time, so threads finish together */
+    return 0;
 }
 
-void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    if (M >= PACKED_MIN_ROWS && gemm_packed(x, w, bias, y, M, N, K) == 0) return;
-    gemm_ctx c = {x, w, bias, y, M, N, K}; /* few rows, or no memory to pack: the row tiles need none */
-    int64_t groups = (N + 2) / 3;
-    parallel_for(gemm_f32_range, &c, groups, grain_for(groups, 8));
+/* y[M, N] = x[M, K] @ w^T + b for a weight laid out by plinth_pack_f32_panels (K a multiple of 8) */
+void plinth_gemm_f32_panels(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N,
+                            int64_t K) {
+    if (M >= BLOCKED_MIN_ROWS && gemm_blocked(x, P, bias, y, M, N, K) == 0) return;
+    gemm_ctx c = {x, P, bias, y, M, N, K}; /* few rows, or no memory to pack: the 4x24 tiles need none */
+    int64_t panels = (N + 7) / 8;
+    parallel_for(gemm_panels_range, &c, panels, grain_for(panels, 6));
 }
+
 
 /* ---------------------------------------------------------------------------------------------
  * Quantized GEMM. Activations are quantized to int8 per 32-block first (K a multiple of 32).
@@ -988,6 +1093,40 @@ int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bia
 void plinth_dequant(int fmt, const void *w, float *out, int64_t N, int64_t K) {
     dequant_ctx c = {fmt, (const char *)w, out, K, K / QK, fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)};
     parallel_for(dequant_range, &c, N, grain_for(N, 16));
+}
+
+typedef struct {
+    dequant_ctx d;
+    float *P;
+    int64_t N;
+    _Atomic int failed;
+} dequant_panels_ctx;
+
+static void dequant_panels_range(void *p, int64_t begin, int64_t end) {
+    dequant_panels_ctx *c = (dequant_panels_ctx *)p;
+    int64_t K = c->d.K;
+    float *buf = pack_buffer((size_t)(8 * K));
+    if (!buf) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    dequant_ctx d = c->d;
+    for (int64_t q = begin; q < end; q++) {
+        int64_t n = q * 8, rows = c->N - n < 8 ? c->N - n : 8;
+        d.out = buf - n * K; /* dequant_range writes row r at out + r * K */
+        dequant_range(&d, n, n + rows);
+        for (int64_t k = 0; k < K; k += 8) transpose8(buf + k, K, c->P + n * K + k * 8, 8, (int)rows);
+    }
+}
+
+/* Dequantize an [N, K] weight into the panels of plinth_pack_f32_panels; returns 0, or -1 when
+ * out of memory. */
+int plinth_dequant_panels(int fmt, const void *w, float *P, int64_t N, int64_t K) {
+    dequant_panels_ctx c = {{fmt, (const char *)w, NULL, K, K / QK, fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)},
+                            P, N, 0};
+    int64_t panels = (N + 7) / 8;
+    parallel_for(dequant_panels_range, &c, panels, grain_for(panels, 4));
+    return atomic_load(&c.failed) ? -1 : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1392,6 +1531,8 @@ enum {
     OP_ROTARY,
     OP_WRITE_KV,
     OP_DECODE_ATTENTION,
+    OP_GEMM_F32_PANELS = 11,
+    OP_DEQUANT_PANELS = 12,
 };
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
@@ -1443,6 +1584,12 @@ int64_t plinth_graph_run(const plinth_op *ops, int64_t n) {
             failed = plinth_decode_attention(P(0), op->a[1], P(2), P(3), op->a[4], P(5), P(6), op->a[7], op->a[8],
                                              op->a[9], op->a[10], op->a[11], op->a[12], op->f[0], op->a[13],
                                              op->f[1]);
+            break;
+        case OP_GEMM_F32_PANELS:
+            plinth_gemm_f32_panels(P(0), P(1), P(2), P(3), op->a[4], op->a[5], op->a[6]);
+            break;
+        case OP_DEQUANT_PANELS:
+            failed = plinth_dequant_panels((int)op->a[0], P(1), P(2), op->a[3], op->a[4]);
             break;
         default:
             return -(i + 1);
