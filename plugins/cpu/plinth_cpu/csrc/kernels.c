@@ -439,10 +439,10 @@ static inline __attribute__((always_inline)) void transpose8(const float *w, int
  * in blocks of PANEL_KC: the 3 x PANEL_KC x 8 weights of a tile stay in L1 while every 4-row
  * group of a 64-row block of activations passes them, where the row-major tiles re-read both
  * operands from L2. A panel of one block is contiguous, so the weight streams stay sequential.
- * Measured here (2 threads, SmolLM2's four layer shapes, weights not in cache, quiet machine,
- * GFLOP/s, row-major tiles (and the BLIS path this replaced from 96 rows) -> panels):
- * 4 rows 54 -> 57, 8 rows 73-86 -> 82-90, 16 rows 90-116 -> 103-130, 32 rows 131-137 -> 147-154,
- * 64 rows 140-145 -> 159-167, 96 rows 148-150 -> 172, 1024 rows 180-183 -> 179-181.
+ * Measured here against the row-major tiles (2 threads, SmolLM2's four layer shapes, weights not in
+ * cache, quiet machine, GFLOP/s): 4 rows 54 -> 57, 8 rows 73 -> 82, 16 rows 90 -> 103, 32 rows
+ * 131 -> 154, 64 rows 140 -> 166; 1 row the same (bandwidth-bound). From 96 rows the BLIS blocking
+ * below takes over.
  */
 #define PANEL_KC 128
 /* Row groups (of 4) from which a tile prefetches the panels' next block in software: measured +4-8%
@@ -573,9 +573,11 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
  * transposes, so a k step reads 6 consecutive floats; a 6x16 register tile over two adjacent
  * weight panels (12 accumulators) takes 2 loads and 6 broadcasts per 12 FMAs. Items are (group of
  * 4 panels, 48-row block) pairs, row block inner: a thread's consecutive items share their weights
- * in L1/L2, and o_proj's and down_proj's 576 outputs still split evenly over two threads. In the
- * model this beat the 4x24 tiles from 96 rows (the 64-request workload's 10 prefill steps 14.4-14.8
- * against 16.5 s): the row tiles re-read 64 rows of x from L2 for every 24 columns. */
+ * in L1/L2, and o_proj's and down_proj's 576 outputs still split evenly over two threads. The 4x24
+ * tiles matched it at 1024 rows with two threads but not with one (83 against 92 GFLOP/s): they
+ * re-read 64 rows of x from L2 for every 24 columns. Against packing the weight panels per item
+ * (what this did before the panels were made at load): 1024 rows 158 -> 161 GFLOP/s, 256 rows
+ * 152 -> 161 (2 threads). */
 #define BLOCKED_MIN_ROWS 96
 #define PACK_MC 48 /* activation rows per item: a 48 x K block of micro-panels stays in L2 */
 #define PACK_KC 768 /* K per pass: one pass up to 768, so the output tile is stored once */
