@@ -12,7 +12,6 @@ starts differently so the prefix cache does not flatter the numbers) or a ShareG
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -176,6 +175,8 @@ async def _prompts(client: Any, args: argparse.Namespace) -> list[tuple[str, int
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by ``args``; the summary."""
+    import asyncio  # here, not at the top: the CLI imports this module to build its parser
+
     import httpx
     from tqdm.asyncio import tqdm
 
@@ -265,6 +266,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1):
         print("plinth bench serve: --num-prompts and --concurrency must be >= 1", file=sys.stderr)
         return 2
+    import asyncio
+
     summary = asyncio.run(bench(args))
     print(format_summary(summary))
     if args.json_out:
