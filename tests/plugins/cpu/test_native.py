@@ -179,6 +179,20 @@ def test_dequant_panels_match_packed_reference(nk: NativeKernels, threads: int, 
     torch.testing.assert_close(panels, nk.pack_f32(dequantize(qw)), rtol=1e-6, atol=1e-7)
 
 
+@needs_native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n", [13, 40, 200])  # a last group of 1 or 2 rows (of 3 dequantized at a time)
+@pytest.mark.parametrize("m", [17, 64, 70])
+def test_gemm_dequant_matches_dequantized_product(nk: NativeKernels, threads: int, fmt: str, n: int, m: int) -> None:
+    """The many-row quantized path: 3 weight rows dequantized at a time, fp32 tiles over all rows."""
+    gen = torch.Generator().manual_seed(n * 1000 + m)
+    k = 160
+    qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
+    x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    got = nk.gemm_dequant(fmt, x, qw.blocks, b, n)
+    torch.testing.assert_close(got, F.linear(x, dequantize(qw), b), rtol=1e-4, atol=1e-4)
+
+
 def test_quantize_q8_0_round_trip() -> None:
     """q8_0 of fp32 weights: error at most half a step per block plus the fp16 rounding of the
     scale (127 steps times 2^-11 relative); zeros stay zeros."""
