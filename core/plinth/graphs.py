@@ -8,7 +8,9 @@ CUDA-graph scheme, with the same rules.
 
 * Only pure decode steps (one new token per sequence) of at most ``max(batch_sizes)`` sequences
   use graphs; a batch is padded up to its bucket with rows that write no KV (slot -1) and attend
-  to one cached position of block 0, and whose outputs are dropped.
+  to one cached position of block 0, and whose outputs are dropped. A backend whose graphs can run
+  fewer rows than they were recorded with (``StepGraph.replay_rows``, API 1.3: the CPU's) skips
+  the padding rows altogether.
 * The graph starts after the embedding lookup (done here into the fixed input buffer) and ends
   with the final norm; logits and sampling run as usual.
 * A kernels-only recorder (the CPU's) cannot record torch ops, so a capture during which a torch
@@ -153,7 +155,7 @@ class DecodeGraphs:
         captured = self._graphs.get(bucket)
         if captured is None:
             return self._capture(bucket)[:b]
-        captured.graph.replay()
+        captured.graph.replay_rows(b, bucket)
         self.stats.replays += 1
         return captured.output[:b]
 

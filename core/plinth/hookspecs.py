@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 2)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 3)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -18,7 +18,7 @@ from plinth.platform.reference import ReferenceBackend
 from plinth.runner import ModelRunner
 from plinth.sched.output import ScheduledRequest, SchedulerOutput
 from plinth.sched.request import Request, StopCriteria
-from plinth_cpu.backend import CpuBackend
+from plinth_cpu.backend import CpuBackend, CpuStepGraph
 from plinth_cpu.native import native, native_status
 
 BLOCK = 8
@@ -184,10 +184,21 @@ def _written_slots(before: list[torch.Tensor], after: list[torch.Tensor], backen
 
 @needs_native
 @pytest.mark.parametrize("batch,bucket", [(1, 1), (3, 4), (5, 8)])
-def test_replays_match_eager_forwards(cpu_model: tuple[Any, CpuBackend], batch: int, bucket: int) -> None:
-    """Captured once, replayed on every later step: hidden states and logits equal an eager forward
-    while positions advance across block boundaries, and padding rows write no KV."""
+def test_replays_match_eager_forwards(
+    cpu_model: tuple[Any, CpuBackend], batch: int, bucket: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Captured once, replayed on every later step over the batch's rows only (``replay_rows``):
+    hidden states and logits equal an eager forward while positions advance across block
+    boundaries, and padding rows write no KV."""
     model, backend = cpu_model
+    replayed: list[tuple[int, int]] = []
+    replay_rows = CpuStepGraph.replay_rows
+
+    def recorded(self: CpuStepGraph, rows: int, captured: int) -> None:
+        replayed.append((rows, captured))
+        replay_rows(self, rows, captured)
+
+    monkeypatch.setattr(CpuStepGraph, "replay_rows", recorded)
     data = _Batch(model, backend, seed=batch)
     graphs = _graphs(model, backend, data.graph_caches)
     rows = list(range(batch))
@@ -203,6 +214,7 @@ def test_replays_match_eager_forwards(cpu_model: tuple[Any, CpuBackend], batch: 
         for g, e in zip(data.graph_caches, data.eager_caches, strict=True):
             torch.testing.assert_close(g, e, **TOL)
     assert (graphs.stats.captures, graphs.stats.replays, graphs.stats.eager) == (1, 5, 0)
+    assert replayed == [(batch, bucket)] * 5
     assert graphs.bucket(batch) == bucket
 
 

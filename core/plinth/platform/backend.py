@@ -294,6 +294,12 @@ class StepGraph(ABC):
     def replay(self) -> None:
         """Run the recorded calls again, in order."""
 
+    def replay_rows(self, rows: int, captured: int) -> None:
+        """Replay for the first ``rows`` of the ``captured`` rows (tokens) the graph was recorded
+        with (API 1.3): the rest are a bucket's padding, whose outputs are dropped. The default
+        replays every row; a backend whose recorded calls work row by row may run only ``rows``."""
+        self.replay()
+
 
 class GraphCapture(ABC):
     """A recording in progress, from :meth:`DeviceServices.begin_graph_capture`.

@@ -30,7 +30,7 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
@@ -64,7 +64,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         + [c_int64] * 6
         + [c_float, c_int64, c_float],
     ),
-    "plinth_graph_run": (c_int64, [c_void_p, c_int64]),
+    "plinth_graph_run": (c_int64, [c_void_p, c_int64, c_int64, c_int64]),
 }
 
 #: Activation handling of ``plinth_gemm_quant``: name -> code.
@@ -122,9 +122,15 @@ class NativeGraph:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def replay(self) -> None:
-        """Run the recorded calls; raises :class:`GraphError` naming a call that failed."""
-        status = self._run(ctypes.addressof(self._ops), len(self._ops))
+    def replay(self, rows: int | None = None, captured: int | None = None) -> None:
+        """Run the recorded calls; raises :class:`GraphError` naming a call that failed.
+
+        Recorded over ``captured`` rows (tokens), with ``rows`` < ``captured`` each call whose row
+        count is ``captured`` runs over the first ``rows`` only (every recordable call works row by
+        row); the other rows' outputs are left as they were."""
+        if rows is not None and captured is not None and not 0 < rows <= captured:
+            raise ValueError(f"replay of {rows} rows of a graph recorded with {captured}")
+        status = self._run(ctypes.addressof(self._ops), len(self._ops), captured or 0, rows or 0)
         if status:
             i = abs(status) - 1
             what = "ran out of memory" if status > 0 else "is of a kind the library does not know"

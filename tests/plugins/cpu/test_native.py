@@ -474,6 +474,35 @@ def test_recorded_calls_replay_over_refilled_inputs(threads: int, recording: Nat
 
 
 @needs_native
+def test_replay_over_fewer_rows_than_recorded(threads: int, recording: NativeKernels) -> None:
+    """Recorded over 3 rows, replayed over 2: every call's first 2 rows are what a fresh call
+    computes, the third row's outputs keep their old values and its KV slot is not written."""
+    nk = recording
+    inputs = _GraphInputs(torch.Generator().manual_seed(22))
+    nk.begin_recording()
+    outputs = inputs.run(nk, inputs.cache, inputs.residual)
+    graph = nk.end_recording()
+    for _ in range(2):
+        before, cache_before = [o.clone() for o in outputs], inputs.cache.clone()
+        inputs.refill()  # rows 0 and 2 write a KV slot, row 1 is padding
+        cache, residual = inputs.cache.clone(), inputs.residual.clone()
+        expected = inputs.run(nk, cache, residual)  # all 3 rows, eager
+        graph.replay(rows=2, captured=3)
+        for got, want, old in zip(outputs, expected, before, strict=True):
+            assert torch.equal(got[:2], want[:2])
+            assert torch.equal(got[2:], old[2:])  # the third row: not computed
+        assert torch.equal(inputs.residual[:2], residual[:2])
+        # the cache: row 0's K/V written, the third row's not
+        blk, off = divmod(int(inputs.slots[2]), 4)
+        assert torch.equal(inputs.cache[:, blk, :, off], cache_before[:, blk, :, off])
+        assert not torch.equal(cache[:, blk, :, off], cache_before[:, blk, :, off])
+        inputs.cache[:, blk, :, off] = cache[:, blk, :, off]
+        assert torch.equal(inputs.cache, cache)
+    with pytest.raises(ValueError, match="replay of 4 rows of a graph recorded with 3"):
+        graph.replay(rows=4, captured=3)
+
+
+@needs_native
 def test_unrecordable_calls_and_nested_recording_are_refused(recording: NativeKernels) -> None:
     nk = recording
     x, w = torch.randn(2, 64), torch.randn(8, 64)

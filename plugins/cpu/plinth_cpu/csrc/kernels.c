@@ -100,7 +100,7 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-int plinth_abi_version(void) { return 6; }
+int plinth_abi_version(void) { return 7; }
 
 /* ---------------------------------------------------------------------------------------------
  * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
@@ -1565,12 +1565,39 @@ typedef struct {
 
 #define P(i) ((void *)(intptr_t)op->a[i])
 
-/* Runs ops[0..n) in order. Returns 0, or i + 1 for the first op i that failed (out of memory),
- * or -(i + 1) for an op i of an unknown kind; the ops after a failure are not run. */
-int64_t plinth_graph_run(const plinth_op *ops, int64_t n) {
+/* Where an op of `kind` holds its row count (the step's tokens, one per sequence in a decode
+ * step) in plinth_op.a; -1: the op has none (a weight's dequantization). */
+static int op_rows_arg(int64_t kind) {
+    switch (kind) {
+    case OP_GEMM_F32:
+    case OP_GEMM_F32_PANELS:
+    case OP_RMS_NORM: return 4;
+    case OP_GEMM_QUANT:
+    case OP_WRITE_KV: return 6;
+    case OP_GEMM_DEQUANT:
+    case OP_ROTARY: return 5;
+    case OP_ROUND_TRIP_Q8:
+    case OP_SILU_AND_MUL: return 2;
+    case OP_DECODE_ATTENTION: return 7;
+    default: return -1;
+    }
+}
+
+/* Runs ops[0..n) in order. Recorded with `captured` rows, the ops run over the first `rows`
+ * (<= captured) only: every op kind with a row count works row by row, so an op whose row count
+ * is `captured` is run with `rows` (the padding rows of a step graph's bucket cost nothing).
+ * Returns 0, or i + 1 for the first op i that failed (out of memory), or -(i + 1) for an op i of an
+ * unknown kind; the ops after a failure are not run. */
+int64_t plinth_graph_run(const plinth_op *ops, int64_t n, int64_t captured, int64_t rows) {
     for (int64_t i = 0; i < n; i++) {
         const plinth_op *op = ops + i;
-        int failed = 0;
+        plinth_op shrunk;
+        int r = op_rows_arg(op->kind), failed = 0;
+        if (rows > 0 && rows < captured && r >= 0 && op->a[r] == captured) {
+            shrunk = *op;
+            shrunk.a[r] = rows;
+            op = &shrunk;
+        }
         switch (op->kind) {
         case OP_GEMM_F32:
             plinth_gemm_f32(P(0), P(1), P(2), P(3), op->a[4], op->a[5], op->a[6]);
