@@ -536,21 +536,21 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
     int64_t M = c->M, N = c->N, K = c->K, S = (end - begin) / 3;
     int64_t chunks = M <= 4 ? 1 : (K + PANEL_KC - 1) / PANEL_KC, kcs = (K / chunks + 7) / 8 * 8;
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
-        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M;
+        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M, groups = (m1 - m0 + 3) / 4;
+        int prefetch = groups >= PANEL_PREFETCH_GROUPS;
         for (int64_t q = begin; q < begin + S; q++) {
             const int64_t col[3] = {q * 8, (q + S) * 8, (q + 2 * S) * 8};
             for (int64_t k0 = 0; k0 < K; k0 += kcs) {
-                int64_t kc = K - k0 < kcs ? K - k0 : kcs;
+                int64_t kc = K - k0 < kcs ? K - k0 : kcs, lines = 0;
                 const float *P[3] = {c->w + col[0] * K + k0 * 8, c->w + col[1] * K + k0 * 8, c->w + col[2] * K + k0 * 8};
                 const float *bias = k0 + kc >= K ? c->bias : NULL; /* added once, with the last block */
                 /* with enough row groups, each also prefetches a share of the lines of the panels'
                  * next block (or the next triple's first), so that block does not start on misses */
-                int64_t groups = (m1 - m0 + 3) / 4, lines = 0;
                 const float *next[3] = {P[0], P[1], P[2]};
-                if (groups >= PANEL_PREFETCH_GROUPS && k0 + kc < K) {
+                if (prefetch && k0 + kc < K) {
                     for (int j = 0; j < 3; j++) next[j] = P[j] + kc * 8;
                     lines = (K - k0 - kc < kcs ? K - k0 - kc : kcs) / 2; /* 16 floats a line */
-                } else if (groups >= PANEL_PREFETCH_GROUPS && q + 1 < begin + S) {
+                } else if (prefetch && q + 1 < begin + S) {
                     for (int j = 0; j < 3; j++) next[j] = c->w + (col[j] + 8) * K;
                     lines = kcs / 2;
                 }
