@@ -15,6 +15,7 @@ tokens with plinth's on the same GGUF (fp32, reference backend).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -134,7 +135,7 @@ def check(model: str | None, out: Path, prompt: str = CHECK_PROMPT, num_tokens: 
     from plinth.config import EngineConfig
 
     # the fp32 weights exactly (no natively-multiplied quantized weights), where plinth has the option
-    extra = {"quantization": "none"} if "quantization" in EngineConfig.model_fields else {}
+    extra = {"quantization": "none"} if "quantization" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
     llm = LLM(model=model, backend="reference", dtype="float32", **extra)
     pl_ids = llm.tokenizer.encode(prompt)
     [res] = llm.generate(pl_ids, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from plinth.sampling_params import SamplingParams
 
-# The interpreter has started: torch, pydantic and the engine are imported from here on, by the
+# The interpreter has started: torch and the engine are imported from here on, by the
 # functions that need them (`plinth --help` stays quick), and --timings-json times them from here.
 _STARTED_AT = time.time()
 
@@ -285,15 +285,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose_log else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from pydantic import ValidationError
-
     from plinth.engine import InvalidRequest
     from plinth.platform.backend import NotSupported
     from plinth.platform.host import BackendError
+    from plinth.validation import InvalidParameter
 
     try:
         return int(args.func(args))
-    except ValidationError as exc:  # before ValueError: pydantic's error is one
+    except InvalidParameter as exc:  # before ValueError: it is one
         print(f"plinth: invalid option: {exc}", file=sys.stderr)
         return 2
     except (BackendError, NotSupported, InvalidRequest, FileNotFoundError, ValueError) as exc:

@@ -1,37 +1,81 @@
-"""Engine configuration: what the user types in, validated by pydantic so errors name the field."""
+"""Engine configuration: what the user types in, checked field by field so errors name the field."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from plinth.validation import check_bool, check_float, check_int, check_str
+
+#: The values of :attr:`EngineConfig.quantization`.
+QUANTIZATION_CHOICES = ("auto", "none", "int8")
 
 
-class EngineConfig(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
     """Everything that decides how an engine is built. Unset fields are chosen from the model and
-    the backend (dtype, block size, context length, KV cache size)."""
+    the backend (dtype, block size, context length, KV cache size).
 
-    model_config = ConfigDict(extra="forbid")
+    A value of the wrong type or out of range raises :class:`~plinth.validation.InvalidParameter`
+    naming the field; an unknown keyword raises ``TypeError``.
 
-    model: str | None = Field(None, description="HF folder or GGUF file; None: the default SmolLM2 model")
-    backend: str | None = Field(None, description="backend name; None: $PLINTH_BACKEND or the best probe")
-    dtype: str | None = Field(None, description="compute dtype; None: the backend's default")
-    kv_cache_dtype: str | None = Field(None, description="KV cache dtype; None: the compute dtype")
-    block_size: int | None = Field(None, ge=1, le=1024, description="tokens per KV block")
-    max_model_len: int | None = Field(None, ge=2, description="context length; None: the model's")
-    max_num_batched_tokens: int = Field(1024, ge=16, description="token budget of one step")
-    max_num_seqs: int = Field(64, ge=1, description="sequences in one step at most")
-    kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size; None: from free memory")
-    num_kv_blocks: int | None = Field(None, ge=2, description="exact number of KV blocks (overrides memory)")
+    - ``model``: HF folder or GGUF file; None: the default SmolLM2 model.
+    - ``backend``: backend name; None: ``$PLINTH_BACKEND`` or the best probe.
+    - ``dtype`` / ``kv_cache_dtype``: compute / KV cache dtype; None: the backend's / the compute dtype.
+    - ``block_size`` (1-1024): tokens per KV block.
+    - ``max_model_len`` (>= 2): context length; None: the model's.
+    - ``max_num_batched_tokens`` (>= 16): the token budget of one step.
+    - ``max_num_seqs`` (>= 1): sequences in one step at most.
+    - ``kv_cache_memory_gb`` (> 0): KV cache size; None: from free memory.
+    - ``num_kv_blocks`` (>= 2): exact number of KV blocks (overrides memory).
+    - ``strict``: refuse reference-kernel fallbacks instead of warning.
+    - ``allow_pickle``: allow loading pickle (.bin/.pt) checkpoints.
+    - ``num_threads`` (>= 1): host threads for CPU kernels.
+    - ``enforce_eager``: run every step eagerly; False: replay decode steps from step graphs where
+      the backend can.
+    - ``quantization``: "auto" keeps a checkpoint's quantized weights where the backend multiplies
+      them natively; "none" dequantizes everything to dtype; "int8" also quantizes floating-point
+      linear weights to q8_0.
+    """
+
+    model: str | None = None
+    backend: str | None = None
+    dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 64
+    kv_cache_memory_gb: float | None = None
+    num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
-    strict: bool = Field(False, description="refuse reference-kernel fallbacks instead of warning")
-    allow_pickle: bool = Field(False, description="allow loading pickle (.bin/.pt) checkpoints")
-    num_threads: int | None = Field(None, ge=1, description="host threads for CPU kernels")
-    enforce_eager: bool = Field(
-        False, description="run every step eagerly; False: replay decode steps from step graphs where the backend can"
-    )
-    quantization: Literal["auto", "none", "int8"] = Field(
-        "auto",
-        description="auto: keep a checkpoint's quantized weights where the backend multiplies them natively; "
-        "none: dequantize everything to dtype; int8: also quantize floating-point linear weights to q8_0",
-    )
+    strict: bool = False
+    allow_pickle: bool = False
+    num_threads: int | None = None
+    enforce_eager: bool = False
+    quantization: Literal["auto", "none", "int8"] = "auto"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        checked = {
+            "model": check_str(owner, "model", self.model, optional=True),
+            "backend": check_str(owner, "backend", self.backend, optional=True),
+            "dtype": check_str(owner, "dtype", self.dtype, optional=True),
+            "kv_cache_dtype": check_str(owner, "kv_cache_dtype", self.kv_cache_dtype, optional=True),
+            "block_size": check_int(owner, "block_size", self.block_size, optional=True, ge=1, le=1024),
+            "max_model_len": check_int(owner, "max_model_len", self.max_model_len, optional=True, ge=2),
+            "max_num_batched_tokens": check_int(owner, "max_num_batched_tokens", self.max_num_batched_tokens, ge=16),
+            "max_num_seqs": check_int(owner, "max_num_seqs", self.max_num_seqs, ge=1),
+            "kv_cache_memory_gb": check_float(
+                owner, "kv_cache_memory_gb", self.kv_cache_memory_gb, optional=True, gt=0
+            ),
+            "num_kv_blocks": check_int(owner, "num_kv_blocks", self.num_kv_blocks, optional=True, ge=2),
+            "enable_prefix_caching": check_bool(owner, "enable_prefix_caching", self.enable_prefix_caching),
+            "strict": check_bool(owner, "strict", self.strict),
+            "allow_pickle": check_bool(owner, "allow_pickle", self.allow_pickle),
+            "num_threads": check_int(owner, "num_threads", self.num_threads, optional=True, ge=1),
+            "enforce_eager": check_bool(owner, "enforce_eager", self.enforce_eager),
+            "quantization": check_str(owner, "quantization", self.quantization, choices=QUANTIZATION_CHOICES),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)

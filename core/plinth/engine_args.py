@@ -1,6 +1,6 @@
 """The engine options every command that builds an engine shares, and their mapping to EngineConfig.
 
-Torch- and pydantic-free, so building a parser stays quick (``plinth --help``).
+Torch-free, so building a parser stays quick (``plinth --help``).
 """
 
 from __future__ import annotations

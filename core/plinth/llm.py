@@ -21,8 +21,9 @@ class LLM:
 
     :param model: a Hugging Face folder or a GGUF file; None for the default SmolLM2 model.
     :param backend: a backend name; None to pick the best one installed.
-    :param kwargs: any other :class:`plinth.config.EngineConfig` field (validated: a misspelled or
-        ill-typed option raises a pydantic ``ValidationError`` naming it).
+    :param kwargs: any other :class:`plinth.config.EngineConfig` field (validated: an ill-typed or
+        out-of-range value raises :class:`~plinth.validation.InvalidParameter` naming the field, a
+        misspelled option ``TypeError``).
     """
 
     def __init__(

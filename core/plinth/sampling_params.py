@@ -1,68 +1,93 @@
-"""Sampling parameters: validated at the edge, so bad input gets a message naming the field."""
+"""Sampling parameters: checked field by field, so bad input gets a message naming the field."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from dataclasses import dataclass, field
+
+from plinth.validation import InvalidParameter, check_bool, check_float, check_int, check_list
 
 #: The most logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
 
 
-class SamplingParams(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` is greedy. ``top_k == 0`` (or -1) and ``top_p == 1`` disable those filters.
     Penalties follow the OpenAI definitions (presence, frequency: subtracted from the logits of
     tokens already generated) and the CTRL/Hugging Face one (repetition: divides positive and
     multiplies negative logits of tokens in the prompt or the output).
+
+    - ``n`` (1-64): completions per prompt; they share the prompt's KV blocks.
+    - ``max_tokens`` (>= 1): new tokens at most; None: up to the context length.
+    - ``min_tokens`` (>= 0, <= max_tokens): stop conditions are ignored before this many tokens.
+    - ``temperature`` (0-100), ``top_k`` (>= -1), ``top_p`` (0 < p <= 1), ``min_p`` (0-1).
+    - ``seed`` (-2**63 <= seed < 2**64): the same seed gives the same tokens.
+    - ``repetition_penalty`` (0 < r <= 10), ``presence_penalty`` and ``frequency_penalty`` (-2 to 2).
+    - ``stop``: stop strings (a string or a list; not included in the text), ``stop_token_ids``.
+    - ``logprobs`` (0-:data:`MAX_LOGPROBS`): top-n logprobs per token.
+
+    A value of the wrong type or out of range raises :class:`~plinth.validation.InvalidParameter`
+    naming the field; an unknown keyword raises ``TypeError``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    n: int = Field(1, ge=1, le=64, description="completions per prompt; they share the prompt's KV blocks")
-    max_tokens: int | None = Field(16, ge=1, description="new tokens at most; None: up to the context length")
-    min_tokens: int = Field(0, ge=0, description="stop conditions are ignored before this many tokens")
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_k: int = Field(0, ge=-1, description="keep the k most likely tokens; 0 or -1: all")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(
-        None, ge=-(2**63), lt=2**64, description="per-request seed: the same seed gives the same tokens"
-    )
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: list[str] = Field(default_factory=list, description="stop strings (not included in the text)")
-    stop_token_ids: list[int] = Field(default_factory=list)
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-n logprobs per token")
+    logprobs: int | None = None
     skip_special_tokens: bool = True
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_as_list(cls, value: object) -> object:
-        if value is None:
-            return []
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, value: list[str]) -> list[str]:
-        if any(s == "" for s in value):
-            raise ValueError("stop strings must not be empty")
-        return value
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_disabled(cls, value: int) -> int:
-        return 0 if value == -1 else value
-
-    @model_validator(mode="after")
-    def _min_le_max(self) -> SamplingParams:
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        stop = check_list(owner, "stop", stop, str)
+        if any(s == "" for s in stop):
+            raise InvalidParameter(owner, "stop", "stop strings must not be empty")
+        top_k = check_int(owner, "top_k", self.top_k, ge=-1)
+        checked = {
+            "n": check_int(owner, "n", self.n, ge=1, le=64),
+            "max_tokens": check_int(owner, "max_tokens", self.max_tokens, optional=True, ge=1),
+            "min_tokens": check_int(owner, "min_tokens", self.min_tokens, ge=0),
+            "temperature": check_float(owner, "temperature", self.temperature, ge=0.0, le=100.0),
+            "top_k": 0 if top_k == -1 else top_k,
+            "top_p": check_float(owner, "top_p", self.top_p, gt=0.0, le=1.0),
+            "min_p": check_float(owner, "min_p", self.min_p, ge=0.0, le=1.0),
+            "seed": check_int(owner, "seed", self.seed, optional=True, ge=-(2**63), lt=2**64),
+            "repetition_penalty": check_float(owner, "repetition_penalty", self.repetition_penalty, gt=0.0, le=10.0),
+            "presence_penalty": check_float(owner, "presence_penalty", self.presence_penalty, ge=-2.0, le=2.0),
+            "frequency_penalty": check_float(owner, "frequency_penalty", self.frequency_penalty, ge=-2.0, le=2.0),
+            "stop": stop,
+            "stop_token_ids": check_list(owner, "stop_token_ids", self.stop_token_ids, int),
+            "include_stop_str_in_output": check_bool(
+                owner, "include_stop_str_in_output", self.include_stop_str_in_output
+            ),
+            "ignore_eos": check_bool(owner, "ignore_eos", self.ignore_eos),
+            "logprobs": check_int(owner, "logprobs", self.logprobs, optional=True, ge=0, le=MAX_LOGPROBS),
+            "skip_special_tokens": check_bool(owner, "skip_special_tokens", self.skip_special_tokens),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        return self
+            raise InvalidParameter(
+                owner, "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -104,7 +104,7 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-#: Phases of a cold start, in order: process start to interpreter ready, imports (torch, pydantic, the
+#: Phases of a cold start, in order: process start to interpreter ready, imports (torch, the
 #: engine), the engine's own start-up phases, then the prompt's prefill up to its first token.
 COLD_START_PHASES = ("python", "imports", "backend", "weights", "tokenizer", "kv_cache", "engine_other", "first_token")
 _ENGINE_PHASES = ("backend", "weights", "tokenizer", "kv_cache")  # LLMEngine.startup_seconds

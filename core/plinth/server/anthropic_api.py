@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from plinth.outputs import CompletionOutput, RequestOutput
 from plinth.sampling_params import SamplingParams
 from plinth.server.app import ServerState, get_state
-from plinth.server.errors import as_api_error, error_body, validation_error
+from plinth.server.errors import as_api_error, error_body, invalid_parameter
 from plinth.server.openai_api import chat_prompt, engine_outputs
 from plinth.server.streams import (
     ChoiceCursor,
@@ -31,6 +31,7 @@ from plinth.server.streams import (
     start_streams,
     stop_holdback,
 )
+from plinth.validation import InvalidParameter
 
 router = APIRouter()
 
@@ -125,8 +126,8 @@ def _params(st: ServerState, body: MessagesRequest) -> SamplingParams:
             fields[name] = value
     try:
         return SamplingParams(**fields)
-    except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False)) from None
+    except InvalidParameter as exc:
+        raise invalid_parameter(exc) from None
 
 
 @router.post("/v1/messages", response_model=MessagesResponse)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from plinth.engine import InvalidRequest
 from plinth.server.async_engine import EngineError, EngineOverloaded, EngineStopped
 from plinth.tokenizer import ChatTemplateError
+from plinth.validation import InvalidParameter
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,15 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc))
     if isinstance(exc, ValidationError):
         return validation_error(exc.errors(include_url=False))
+    if isinstance(exc, InvalidParameter):
+        return invalid_parameter(exc)
     logger.error("unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
     return APIError(500, f"internal server error ({type(exc).__name__})")
+
+
+def invalid_parameter(exc: InvalidParameter) -> APIError:
+    """A 400 naming the field of a rejected engine parameter (a SamplingParams value)."""
+    return APIError(400, f"{exc.field}: {exc.problem}", param=exc.field)
 
 
 def validation_error(errors: Any) -> APIError:
@@ -119,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     # registered one by one: these are answered like APIError, while the catch-all below (Starlette's
     # server-error middleware) also re-raises, so uvicorn logs the traceback of a real bug
-    for known in (InvalidRequest, ChatTemplateError, ValidationError, EngineOverloaded, EngineError):
+    for known in (InvalidRequest, ChatTemplateError, ValidationError, InvalidParameter, EngineOverloaded, EngineError):
         app.add_exception_handler(known, _known)
 
     @app.exception_handler(Exception)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from plinth.sampling_params import MAX_LOGPROBS, SamplingParams
-from plinth.server.errors import APIError, validation_error
+from plinth.server.errors import APIError, invalid_parameter
+from plinth.validation import InvalidParameter
 
 # torch generators take seeds in [-2**63, 2**64): a larger one would fail inside the engine step
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -83,8 +84,8 @@ class SamplingFields(_Strict):
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
             return SamplingParams(**fields)
-        except ValidationError as exc:
-            raise validation_error(exc.errors(include_url=False)) from None
+        except InvalidParameter as exc:
+            raise invalid_parameter(exc) from None
 
     @property
     def include_usage(self) -> bool:
