@@ -93,7 +93,7 @@ def gguf_weights(
             continue
         target = hf_name(name)
         info = gguf.tensors[name]
-        quantized = gguf.quantized(name) if info.qtype.name.lower() in keep_quantized else None
+        quantized = gguf.quantized(name) if info.type_name.lower() in keep_quantized else None
         tensor: torch.Tensor | QuantizedWeight = gguf.tensor(name) if quantized is None else quantized
         heads = None
         if permuted and ".self_attn.q_proj." in target:
