@@ -61,8 +61,12 @@ def test_throughput_and_latency_on_a_tiny_model(tmp_path: Path) -> None:
     assert result["prompt_tokens"] == sum(len(r.prompt_ids) for r in requests)
     assert result["output_tok_s"] > 0 and 0 <= result["kv_waste_pct"] < 100
     assert not llm.engine.has_unfinished()
-    lat = measure_latency(llm, input_len=8, output_len=6, iters=1)
+    lat = measure_latency(llm, input_len=8, output_len=6, iters=2)
     assert lat["decode_tok_s"] > 0 and lat["ttft_s"] > 0
+    assert len(lat["decode_tok_s_runs"]) == len(lat["read_probe_gbps_runs"]) == 2
+    assert max(lat["read_probe_gbps_runs"]) == pytest.approx(max(lat["read_probe_gbps"].values()), abs=0.1)
+    assert all(0 < g <= max(lat["read_probe_gbps"].values()) for g in lat["read_probe_gbps_runs"])
+    assert lat["pct_of_bandwidth_limit"] > 0
 
 
 def test_cold_start_is_process_start_to_first_token_with_its_phases(tmp_path: Path) -> None:
