@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from plinth_cpu.memory import huge_page_tensor
+
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
@@ -274,7 +276,7 @@ class NativeKernels:
         Panel ``p`` holds rows ``8p..8p+7`` k-major; the last panel's missing rows are zeros. The
         layout :meth:`gemm_f32_panels` multiplies."""
         N, K = w.shape
-        panels = torch.empty((N + 7) // 8, K, 8, dtype=torch.float32)
+        panels = huge_page_tensor(((N + 7) // 8, K, 8), torch.float32)  # streamed by every step: see memory.py
         self.lib.plinth_pack_f32_panels(w.data_ptr(), panels.data_ptr(), N, K)
         return panels
 
