@@ -265,9 +265,11 @@ def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen
     "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
 )
 @pytest.mark.parametrize("block_size", [4, 16])  # 16: eight positions of a page at a time
+@pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])  # many: whole sequences as items
 def test_decode_attention_matches_torch_path(
-    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int
-) -> None:
+    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int,
+    many: bool,
+) -> None:  # fmt: skip
     gen = torch.Generator().manual_seed(11)
     spec = AttentionSpec(
         num_heads=2 * group,
@@ -278,7 +280,9 @@ def test_decode_attention_matches_torch_path(
         logits_soft_cap=soft_cap,
     )
     seq_lens = [1, 6, 13, 4] if block_size == 4 else [1, 9, 37, 16, 70]
-    cache, meta = _decode_batch(seq_lens, spec, 32, gen)
+    if many:  # at least 4 per thread: each item is a sequence with both kv heads
+        seq_lens = seq_lens * 2 + [3, 21]
+    cache, meta = _decode_batch(seq_lens, spec, 48, gen)
     q = torch.randn(len(seq_lens), spec.num_heads, 32, generator=gen)
     got = CpuAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
     expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
