@@ -850,7 +850,7 @@ static void quantize_block_q16x(const float *v, block_q16_x *out) {
  * times the activation block's (d, s) pair it gives d_w * d_x (the integer dot's scale) and m * s
  * (q4_1's minimum term). q8_0 ignores the odd lanes (its first two quants, not a minimum). */
 static void rows4_i16(int fmt, const char *const w[4], const block_q16_x *x, int64_t nb, float out[4]) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i mask16 = _mm256_set1_epi16(0x0F); /* one cvtepu8_epi16 per block: bytes to 16 bits, then nibbles */
     const size_t bsz = fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, macc = acc0;
     float sc[8] __attribute__((aligned(32)));
@@ -866,10 +866,9 @@ static void rows4_i16(int fmt, const char *const w[4], const block_q16_x *x, int
         if (fmt == 0) {
 #define ROW(wr, r, acc)                                                                                        \
     {                                                                                                          \
-        __m128i p = _mm_loadu_si128((const __m128i *)(wr + 4));                                               \
-        __m256i d = _mm256_add_epi32(                                                                          \
-            _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(p, mask)), x0),                              \
-            _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), mask)), x1));          \
+        __m256i p = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + 4)));                         \
+        __m256i d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(p, mask16), x0),                       \
+                                     _mm256_madd_epi16(_mm256_srli_epi16(p, 4), x1));                          \
         acc = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 2 * r), _mm256_cvtepi32_ps(d), acc);                    \
     }
             ROW(w0, 0, acc0) ROW(w1, 1, acc1) ROW(w2, 2, acc2) ROW(w3, 3, acc3)
