@@ -7,6 +7,7 @@ from importlib import metadata
 
 import torch
 
+from plinth.host_memory import huge_page_tensor
 from plinth.platform.backend import (
     AttentionKernels,
     AttentionSpec,
@@ -22,7 +23,6 @@ from plinth.platform.backend import (
 )
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
 from plinth_cpu.gemm import CpuGemm
-from plinth_cpu.memory import huge_page_tensor
 from plinth_cpu.native import QUANT_FORMATS, NativeGraph, NativeKernels, native, native_status
 from plinth_cpu.ops import CpuOps
 
@@ -174,7 +174,7 @@ class CpuBackend(Backend):
 
     def allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int) -> torch.Tensor:
         """A zeroed cache in anonymous memory, which the kernel zero-fills page by page on first touch,
-        advised into 2 MiB huge pages (see :mod:`plinth_cpu.memory`).
+        advised into 2 MiB huge pages (see :mod:`plinth.host_memory`).
 
         ``torch.zeros`` writes the whole cache at start-up (the default 1 GiB: 0.5-2 s on a VM, where
         every first touch faults); here a step pays only for the blocks it writes.

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.quant import QuantizedWeight
-from plinth_cpu.memory import huge_page_copy
 from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 
 #: ``LinearWeight.format`` of an fp32 weight laid out in 8-row panels for the native kernels.
@@ -79,8 +78,7 @@ class CpuGemm(GemmKernels):
         return LinearWeight(out_features=n, in_features=k, weight=w, bias=b)
 
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
-        """Keep q4_1/q8_0 blocks as they are, copied into huge pages (the bias in fp32); other
-        formats are dequantized."""
+        """Keep q4_1/q8_0 blocks as they are (the bias in fp32); other formats are dequantized."""
         if self.native is None or weight.format not in QUANT_FORMATS:
             return super().prepare_quantized(weight, bias)
         b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
@@ -90,7 +88,7 @@ class CpuGemm(GemmKernels):
             weight=None,
             bias=b,
             format=weight.format,
-            data={"blocks": huge_page_copy(weight.blocks)},  # streamed every step: see memory.py
+            data={"blocks": weight.blocks.contiguous()},
         )
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:

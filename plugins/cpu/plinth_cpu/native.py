@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from plinth_cpu.memory import huge_page_tensor
+from plinth.host_memory import huge_page_tensor
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
@@ -276,7 +276,7 @@ class NativeKernels:
         Panel ``p`` holds rows ``8p..8p+7`` k-major; the last panel's missing rows are zeros. The
         layout :meth:`gemm_f32_panels` multiplies."""
         N, K = w.shape
-        panels = huge_page_tensor(((N + 7) // 8, K, 8), torch.float32)  # streamed by every step: see memory.py
+        panels = huge_page_tensor(((N + 7) // 8, K, 8), torch.float32)  # streamed by every step: see plinth.host_memory
         self.lib.plinth_pack_f32_panels(w.data_ptr(), panels.data_ptr(), N, K)
         return panels
 
