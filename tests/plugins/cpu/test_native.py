@@ -105,6 +105,21 @@ def test_gemm_f32_panels_matches_linear(nk: NativeKernels, threads: int, m: int,
 
 
 @needs_native
+@pytest.mark.parametrize("m", [47, 48, 95])  # from 48 rows an output this wide takes the blocked path
+def test_gemm_f32_panels_wide_output(nk: NativeKernels, threads: int, m: int) -> None:
+    """An lm_head-wide product (16389 outputs: a partial last panel) at the rows where the blocked
+    path starts early for wide outputs, with a bias."""
+    gen = torch.Generator().manual_seed(m)
+    x, w, b = (
+        torch.randn(m, 64, generator=gen),
+        torch.randn(16389, 64, generator=gen),
+        torch.randn(16389, generator=gen),
+    )
+    got = nk.gemm_f32_panels(x, nk.pack_f32(w), b, 16389)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
 def test_pack_f32_layout(nk: NativeKernels, threads: int) -> None:
     """Panel p holds rows 8p..8p+7 k-major; the last panel's missing rows are zeros."""
     w = torch.randn(21, 32)

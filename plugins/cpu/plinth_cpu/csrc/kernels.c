@@ -579,6 +579,10 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
  * (what this did before the panels were made at load): 1024 rows 158 -> 161 GFLOP/s, 256 rows
  * 152 -> 161 (2 threads). */
 #define BLOCKED_MIN_ROWS 96
+/* ... and from 48 rows for outputs this wide (an lm_head: SmolLM2's 49152 x 576 at 48-80 rows ran 2-16%
+ * faster blocked than in 4x24 tiles, 80 rows 25%; the layers' 576-3072 outputs the same either way) */
+#define BLOCKED_WIDE_MIN_ROWS 48
+#define BLOCKED_WIDE_N 16384
 #define PACK_MC 48 /* activation rows per item: a 48 x K block of micro-panels stays in L2 */
 #define PACK_KC 768 /* K per pass: one pass up to 768, so the output tile is stored once */
 #define PACK_GP 4  /* 8-row panels per item */
@@ -717,7 +721,8 @@ static int gemm_blocked(const float *x, const float *P, const float *bias, float
 /* y[M, N] = x[M, K] @ w^T + b for a weight laid out by plinth_pack_f32_panels (K a multiple of 8) */
 void plinth_gemm_f32_panels(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N,
                             int64_t K) {
-    if (M >= BLOCKED_MIN_ROWS && gemm_blocked(x, P, bias, y, M, N, K) == 0) return;
+    int blocked = M >= BLOCKED_MIN_ROWS || (M >= BLOCKED_WIDE_MIN_ROWS && N >= BLOCKED_WIDE_N);
+    if (blocked && gemm_blocked(x, P, bias, y, M, N, K) == 0) return;
     gemm_ctx c = {x, P, bias, y, M, N, K}; /* few rows, or no memory to pack: the 4x24 tiles need none */
     int64_t panels = (N + 7) / 8;
     parallel_for(gemm_panels_range, &c, panels, grain_for(panels, 6));
