@@ -446,9 +446,10 @@ static inline __attribute__((always_inline)) void transpose8(const float *w, int
  */
 #define PANEL_KC 128
 /* Row groups (of 4) from which a tile prefetches the panels' next block in software: measured +4-8%
- * at 32-64 rows; at 8 rows (2 groups, so bursts of 90 prefetches) it cost 23-29% (the hardware
- * prefetcher follows the panels' streams there). */
-#define PANEL_PREFETCH_GROUPS 8
+ * at 32-64 rows, +10-20% at 20-28 rows, even at 13-16 (4 groups); at 12 rows (3 groups) it cost
+ * 11-13%, at 8 rows (2 groups, so bursts of 90 prefetches) 23-29% (the hardware prefetcher follows
+ * the panels' streams there). */
+#define PANEL_PREFETCH_GROUPS 4
 
 static void pack_panels_range(void *p, int64_t begin, int64_t end) {
     gemm_ctx *c = (gemm_ctx *)p; /* w: the [N, K] weight; y: the panels */
