@@ -227,6 +227,7 @@ def _row(label: str, r: dict[str, Any]) -> dict[str, Any]:
         "output_tok_s": t.get("output_tok_s"),
         "total_tok_s": t.get("total_tok_s"),
         "decode_tok_s": lat.get("decode_tok_s"),
+        "bandwidth_pct": lat.get("pct_of_bandwidth_limit"),
         "ttft_s": lat.get("ttft_s"),
         "startup_s": st.get("startup_s") if st else lat.get("startup_s"),
     }
@@ -236,6 +237,7 @@ COLUMNS = [
     ("output_tok_s", "output tok/s", 1),
     ("total_tok_s", "total tok/s", 1),
     ("decode_tok_s", "batch-1 decode tok/s", 1),
+    ("bandwidth_pct", "batch-1 % of read-bandwidth limit", 1),
     ("ttft_s", "batch-1 TTFT s", 3),
     ("startup_s", "start-up s", 1),
 ]

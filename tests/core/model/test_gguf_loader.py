@@ -143,20 +143,24 @@ def test_gguf_name_mapping() -> None:
         hf_name("blk.0.attn_q_norm.weight")
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-def test_dequantize_matches_gguf(tmp_path: Path, qtype: str) -> None:
-    """plinth's reader (torch fast paths for Q8_0/Q4_0/Q4_1) is bit-identical to gguf's numpy code."""
-    kind = gguf.GGMLQuantizationType[qtype]
-    data = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
-    packed = gguf.quants.quantize(data, kind)
-    path = tmp_path / "q.gguf"
+def _one_tensor_gguf(path: Path, packed: np.ndarray, kind: Any) -> Path:
+    """A GGUF file at ``path`` holding one tensor "t.weight" of ggml type ``kind``."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("t.weight", packed, raw_shape=packed.shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    got = GGUFFile(path).tensor("t.weight")
+    return path
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_dequantize_matches_gguf(tmp_path: Path, qtype: str) -> None:
+    """plinth's reader (torch fast paths for Q8_0/Q4_0/Q4_1) is bit-identical to gguf's numpy code."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    data = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    packed = gguf.quants.quantize(data, kind)
+    got = GGUFFile(_one_tensor_gguf(tmp_path / "q.gguf", packed, kind)).tensor("t.weight")
     assert got.shape == (48, 96) and got.dtype == torch.float32
     assert np.array_equal(got.numpy(), gguf.quants.dequantize(packed, kind))
 
@@ -173,14 +177,7 @@ def test_a_type_only_gguf_knows_is_read_through_gguf(tmp_path: Path) -> None:
     assert kind.value not in GGML_TYPES
     data = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
     packed = gguf.quants.quantize(data, kind)
-    path = tmp_path / "iq.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("t.weight", packed, raw_shape=packed.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    f = GGUFFile(path)
+    f = GGUFFile(_one_tensor_gguf(tmp_path / "tq.gguf", packed, kind))
     assert f.tensors["t.weight"].type_name == "TQ2_0" and f.quantized("t.weight") is None
     assert np.array_equal(f.tensor("t.weight").numpy(), gguf.quants.dequantize(packed, kind))
 
