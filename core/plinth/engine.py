@@ -130,6 +130,9 @@ class LLMEngine:
             self.max_model_len = fits
         lap = time.monotonic()
         kv_caches = [backend.allocate_kv_cache(spec, num_blocks) for spec in specs]
+        if config.kv_cache_prefault:
+            for cache in kv_caches:
+                cache.zero_()  # every page touched now, not by the first step that writes it
         self.startup_seconds["kv_cache"] = time.monotonic() - lap
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -32,7 +32,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields from :func:`add_engine_arguments`'s options (and the optional ones a command
     adds: ``--max-model-len``, ``--strict``, ``--allow-pickle``, ``--max-num-seqs``,
-    ``--max-num-batched-tokens``), leaving out what was not given so the config's defaults apply."""
+    ``--max-num-batched-tokens``, ``--no-kv-cache-prefault``), leaving out what was not given so the
+    config's defaults apply."""
     options: dict[str, Any] = {
         "model": args.model,
         "backend": args.backend,
@@ -41,8 +42,27 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "enforce_eager": args.enforce_eager,
     }
-    for field in ("max_model_len", "strict", "allow_pickle", "max_num_seqs", "max_num_batched_tokens"):
+    for field in (
+        "max_model_len",
+        "strict",
+        "allow_pickle",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_prefault",
+    ):
         value = getattr(args, field, None)
         if value is not None:
             options[field] = value
     return options
+
+
+def add_kv_cache_prefault_argument(p: argparse.ArgumentParser) -> None:
+    """``--no-kv-cache-prefault`` for the long-running and steady-state commands (serve, bench
+    throughput), whose engines write their whole KV cache at start-up by default."""
+    p.add_argument(
+        "--no-kv-cache-prefault",
+        dest="kv_cache_prefault",
+        action="store_false",
+        default=True,
+        help="fault KV-cache pages in as blocks are first written, instead of writing the whole cache at start-up",
+    )

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from plinth.bench.datasets import BenchRequest, sharegpt, synthetic
-from plinth.engine_args import add_engine_arguments, engine_options
+from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options
 
 
 def add_bench_throughput_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +19,7 @@ def add_bench_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    add_kv_cache_prefault_argument(p)
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--no-progress", action="store_true")
 
@@ -64,6 +65,7 @@ def run_throughput(llm: Any, requests: list[BenchRequest], progress: bool = True
         "total_tok_s": round((prompt_tokens + output_tokens) / elapsed, 2),
         "kv_waste_pct": round(100.0 * (slots_sum - stored_sum) / slots_sum, 2) if slots_sum else 0.0,
         "preemptions": sched.num_preemptions_total,
+        "kv_cache_prefault": engine.config.kv_cache_prefault,
     }
 
 

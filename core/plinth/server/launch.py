@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from plinth.engine_args import add_engine_arguments, engine_options
+from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV-cache blocks")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache size (default: from free memory)")
+    add_kv_cache_prefault_argument(p)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--strict", action="store_true", help="refuse reference-kernel fallbacks")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickle (.bin/.pt) checkpoints")

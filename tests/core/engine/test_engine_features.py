@@ -174,3 +174,34 @@ def test_the_earliest_stop_string_wins(llm: LLM) -> None:
     assert early.strip() and late.strip() and base.text.find(early) < base.text.find(late)
     out = llm.generate("hello world", _greedy(24, stop=[late, early]))[0].outputs[0]
     assert out.stop_reason == early and out.text == base.text[: base.text.find(early)]
+
+
+def test_kv_cache_prefault(folder: Path) -> None:
+    """Prefaulted caches are written (zeros) at start-up and serve like lazy ones; the steady-state
+    commands prefault by default, generate does not."""
+    import argparse
+
+    from plinth.bench.throughput import add_bench_throughput_arguments
+    from plinth.config import EngineConfig
+    from plinth.engine_args import add_engine_arguments, engine_options
+    from plinth.server.launch import add_serve_arguments
+
+    llm = LLM(model=str(folder), backend="cpu", num_kv_blocks=32, block_size=16, kv_cache_prefault=True)
+    assert llm.engine.config.kv_cache_prefault
+    assert all(not bool(kv.any()) for kv in llm.engine.runner.kv_caches)
+    lazy = LLM(model=str(folder), backend="cpu", num_kv_blocks=32, block_size=16)
+    params = _greedy(6)
+    assert [o.outputs[0].token_ids for o in llm.generate(["hello", "world"], params)] == [
+        o.outputs[0].token_ids for o in lazy.generate(["hello", "world"], params)
+    ]
+    for add, default in (
+        (add_bench_throughput_arguments, True),
+        (add_serve_arguments, True),
+        (add_engine_arguments, False),
+    ):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        assert EngineConfig(**engine_options(parser.parse_args([]))).kv_cache_prefault is default
+        if default:
+            off = parser.parse_args(["--no-kv-cache-prefault"])
+            assert EngineConfig(**engine_options(off)).kv_cache_prefault is False
