@@ -34,6 +34,8 @@ def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> di
     ``pct_of_bandwidth_limit`` is the median of those per-run percentages."""
     import random
 
+    import torch
+
     from plinth.sampling_params import SamplingParams
 
     rng = random.Random(0)
@@ -42,16 +44,17 @@ def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> di
     weights = weight_bytes_per_token(llm.engine.model)
     backend = llm.engine.backend.name
     decode, ttft, probes = [], [], []
+    buffer = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)  # one buffer for every probe of the run
     for i in range(iters + 1):
         prompt = [rng.randrange(256, vocab) for _ in range(input_len)]  # fresh: no prefix-cache hit
         if i > 0:
-            probes.append(read_bandwidth_probes(backend, repeats=3))  # probes[k] is just before run k
+            probes.append(read_bandwidth_probes(backend, repeats=3, buffer=buffer))  # just before run k
         [out] = llm.generate(prompt, params)
         if i == 0:
             continue  # warm-up
         decode.append(out.metrics.decode_tokens_per_s)
         ttft.append(out.metrics.time_to_first_token)
-    probes.append(read_bandwidth_probes(backend, repeats=3))
+    probes.append(read_bandwidth_probes(backend, repeats=3, buffer=buffer))
     adjacent = [max(*probes[k].values(), *probes[k + 1].values()) for k in range(len(decode))]
     pct = [100 * d * weights / (gbps * 1e9) for d, gbps in zip(decode, adjacent, strict=True)]
     best = {name: max(p[name] for p in probes) for name in probes[0]}
@@ -85,12 +88,21 @@ def weight_bytes_per_token(model: Any) -> int:
     return total
 
 
-def read_bandwidth_probes(backend: str, nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
+#: Bytes each read-bandwidth probe reads.
+PROBE_BYTES = 256 << 20
+
+
+def read_bandwidth_probes(
+    backend: str, nbytes: int = PROBE_BYTES, repeats: int = 5, buffer: Any = None
+) -> dict[str, float]:
     """GB/s of reading ``nbytes`` (best of ``repeats``), by torch's ``sum`` and, on the cpu backend,
-    by its AVX2 streaming loop (the loads its GEMV makes). The larger is the limit decode is held to."""
+    by its AVX2 streaming loop (the loads its GEMV makes). The larger is the limit decode is held to.
+    ``buffer`` (fp32, a multiple of 4096 floats) is read instead of a fresh ``nbytes`` one, so repeated
+    probes do not allocate and fault in 256 MB each."""
     import torch
 
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x = buffer if buffer is not None else torch.ones(nbytes // 4, dtype=torch.float32)  # fp32, numel % 4096 == 0
+    nbytes = x.numel() * 4
     probes: dict[str, Callable[[], object]] = {"torch_sum": x.sum}
     if backend == "cpu":
         try:
