@@ -71,10 +71,10 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if len(greedy) == len(rows):  # all greedy: no row selection (a [S, V] copy each)
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         elif greedy:
             g = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-            tokens[g] = logits.index_select(0, g).argmax(dim=-1)
+            tokens[g] = argmax_rows(logits.index_select(0, g))
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random:
             r_idx = torch.tensor(random, dtype=torch.long, device=logits.device)
@@ -92,7 +92,7 @@ class Sampler:
             if unseeded:
                 u = torch.tensor(unseeded, dtype=torch.long, device=logits.device)
                 noise.index_copy_(0, u, torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_())
-            tokens[r_idx] = (probs / noise).argmax(dim=-1)
+            tokens[r_idx] = argmax_rows(probs / noise)
 
         token_list = tokens.tolist()
         results = []
@@ -107,6 +107,34 @@ class Sampler:
                     result.top_logprobs = []
             results.append(result)
         return results
+
+
+#: Vocabulary slice of :func:`argmax_rows`; rows shorter than ``4 * ARGMAX_CHUNK`` take one argmax.
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor (the first index of each row's maximum; a NaN counts as the
+    maximum, as in torch), in two passes: the maximum of each ``ARGMAX_CHUNK``-wide slice, then one
+    argmax inside the first slice that holds the row's maximum.
+
+    torch's CPU argmax runs at about a tenth of the speed of its max-reduction (64 rows of a 49,152-token
+    vocabulary: 3.9 ms against 0.2 ms here, 2 threads), which made it a 2% share of a decode step.
+    """
+    rows, width = x.shape
+    c = ARGMAX_CHUNK
+    if width < 4 * c or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    n = width // c
+    slice_max = x[:, : n * c].reshape(rows, n, c).amax(dim=-1)  # [S, n]
+    if width > n * c:  # the short last slice
+        slice_max = torch.cat([slice_max, x[:, n * c :].amax(dim=-1, keepdim=True)], dim=1)
+    first = slice_max.argmax(dim=-1)  # [S]: the first slice holding the maximum (or a NaN)
+    # a window of c ending at the row's end for the short slice: what it overlaps of the slice before
+    # holds no maximum (that slice is not the first to hold one)
+    start = torch.clamp(first * c, max=width - c)
+    window = x.gather(1, start[:, None] + torch.arange(c, device=x.device))  # [S, c]
+    return start + window.argmax(dim=-1)
 
 
 def apply_penalties(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plinth.sampler import Sampler, SampleRow, apply_penalties, filtered_probs
+from plinth.sampler import ARGMAX_CHUNK, Sampler, SampleRow, apply_penalties, argmax_rows, filtered_probs
 from plinth.sampling_params import SamplingParams
 from plinth.validation import InvalidParameter
 
@@ -19,6 +19,22 @@ def test_greedy_is_argmax() -> None:
     rows = [_row(i, SamplingParams(temperature=0)) for i in range(4)]
     out = Sampler().sample(logits, rows)
     assert [r.token_id for r in out] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("width", [4 * ARGMAX_CHUNK, 49152, 49153, 5000, 100])
+def test_argmax_rows_matches_torch_argmax(width: int) -> None:
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(7, width, generator=g)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    ties = torch.randint(0, 3, (7, width), generator=g).float()  # many maxima: the first one wins
+    assert torch.equal(argmax_rows(ties), ties.argmax(-1))
+    ties[:3, -1] = 5.0  # the maximum in the short last slice (or the last full one)
+    if width > ARGMAX_CHUNK:
+        ties[3, ARGMAX_CHUNK - 1] = ties[3, ARGMAX_CHUNK] = 5.0  # across a slice boundary
+    ties[4, width // 2] = float("nan")  # a NaN counts as the maximum, as in torch
+    assert torch.equal(argmax_rows(ties), ties.argmax(-1))
+    minus_inf = torch.full((2, width), float("-inf"))
+    assert torch.equal(argmax_rows(minus_inf), minus_inf.argmax(-1))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
