@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from plinth.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _thaw_gc() -> Iterator[None]:
+    """``main(["generate", ...])`` freezes start-up's objects out of the cyclic GC, as a process should
+    that lives as long as its engine; the test session goes on collecting them."""
+    yield
+    gc.enable()
+    gc.unfreeze()
 
 
 def test_backends_table_shows_reference_and_cpu_with_scores_and_reasons(
@@ -56,6 +67,31 @@ def test_generate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "8 generated tokens" in captured.err and "tokens/s" in captured.err
     assert main(["chat", "--model", str(tmp_path), "--max-tokens", "4", "--ignore-eos", "hi there"]) == 0
     assert "4 generated tokens" in capsys.readouterr().err
+
+
+def test_generate_pauses_the_gc_for_start_up_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    from engine_helpers import save_tiny_folder
+
+    import plinth.llm
+
+    save_tiny_folder("llama", tmp_path)
+    real_llm, enabled_while_building = plinth.llm.LLM, []
+
+    def spy(*args: object, **kwargs: object) -> plinth.llm.LLM:
+        enabled_while_building.append(gc.isenabled())
+        return real_llm(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plinth.llm, "LLM", spy)
+    frozen = gc.get_freeze_count()
+    assert main(["generate", "--model", str(tmp_path), "--max-tokens", "2", "hi"]) == 0
+    assert enabled_while_building == [False]  # paused while the engine was built
+    assert gc.isenabled() and gc.get_freeze_count() > frozen  # on again, start-up's objects frozen
+    assert main(["generate", "--backend", "warp-drive", "hi"]) == 2  # start-up failed
+    assert gc.isenabled()
+    capsys.readouterr()
 
 
 def test_generate_writes_start_up_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
