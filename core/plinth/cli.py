@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from plinth.startup import pause_collector, start_up_done
+
 if TYPE_CHECKING:
     from plinth.sampling_params import SamplingParams
 
@@ -62,12 +64,7 @@ def _llm(args: argparse.Namespace):  # noqa: ANN202 - imports torch lazily
     from plinth.llm import LLM
 
     llm = LLM(**engine_options(args))
-    if not gc.isenabled():  # main() paused the cyclic GC for start-up, which is over
-        # what torch's import and the engine built lives as long as the process: it leaves the
-        # collector's generations instead of being scanned again (the GC took 0.25 s of the imports
-        # and 0.15-0.18 s of building the default engine here, in ~460 collections)
-        gc.freeze()
-        gc.enable()
+    start_up_done()  # main() paused the cyclic GC for start-up
     return llm
 
 
@@ -289,9 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plinth`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    paused = args.func in (cmd_generate, cmd_chat) and gc.isenabled()
-    if paused:
-        gc.disable()  # until _llm has built the engine: start-up allocates what the process keeps
+    # until the engine is built (_llm, run_serve): start-up allocates what the process keeps
+    paused = args.func in (cmd_generate, cmd_chat, cmd_serve) and pause_collector()
     logging.basicConfig(
         level=logging.INFO if args.verbose_log else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -312,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         if paused and not gc.isenabled():
-            gc.enable()  # start-up failed before _llm re-enabled it
+            gc.enable()  # start-up failed before the engine was built
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from plinth.model.loader import resolve_model
     from plinth.server.app import ServerSettings, build_app
     from plinth.server.async_engine import AsyncEngine
+    from plinth.startup import start_up_done
 
     cache = {"num_kv_blocks": args.num_kv_blocks, "kv_cache_memory_gb": args.kv_cache_memory_gb}
     config = EngineConfig(
@@ -65,6 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     engine = AsyncEngine(LLMEngine(config), max_waiting=args.max_waiting)
     app = build_app(engine, settings)
+    start_up_done()  # `plinth serve` paused the cyclic GC for start-up (plinth.startup)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
