@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -12,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from plinth.startup import pause_collector, start_up_done
+from plinth.startup import pause_collector, resume_collector, start_up_done
 
 if TYPE_CHECKING:
     from plinth.sampling_params import SamplingParams
@@ -286,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plinth`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    # until the engine is built (_llm, run_serve): start-up allocates what the process keeps
-    paused = args.func in (cmd_generate, cmd_chat, cmd_serve) and pause_collector()
+    if args.func in (cmd_generate, cmd_chat, cmd_serve):
+        pause_collector()  # until the engine is built (_llm, run_serve): start-up allocates what the process keeps
     logging.basicConfig(
         level=logging.INFO if args.verbose_log else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -307,8 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plinth: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if paused and not gc.isenabled():
-            gc.enable()  # start-up failed before the engine was built
+        resume_collector()  # only if start-up failed before the engine was built
 
 
 if __name__ == "__main__":
