@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from plinth.platform.backend import AttentionSpec, Capabilities
-from plinth.quant import QUANT_BLOCKS
+from plinth.platform.quant import QUANT_BLOCKS
 from plinth_conformance import SUITE_VERSION
 
 #: What every backend must declare and pass (the core tier).
@@ -152,7 +152,7 @@ class QuantCase:
     """``x [M, K] @ dequantize(w).T (+ b)`` with ``w`` a ggml block-format weight (API 1.1).
 
     ``skip`` is set for the placeholder case of a backend that declares no format (or one
-    :mod:`plinth.quant` does not define): it says why nothing quantized was checked.
+    :mod:`plinth.platform.quant` does not define): it says why nothing quantized was checked.
     """
 
     fmt: str
@@ -364,7 +364,8 @@ def quant_cases(caps: Capabilities, default_dtype: str) -> list[QuantCase]:
     for fmt in formats:
         if fmt not in QUANT_BLOCKS:
             why = (
-                f"declared format {fmt!r} is not one plinth.quant defines ({', '.join(sorted(QUANT_BLOCKS))}): "
+                f"declared format {fmt!r} is not one plinth.platform.quant defines "
+                f"({', '.join(sorted(QUANT_BLOCKS))}): "
                 "the core never hands such weights to the backend"
             )
             cases.append(QuantCase(f"{fmt}-unknown", f32, 0, 0, 0, False, "contiguous", "extended", skip=why))

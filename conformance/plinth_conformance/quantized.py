@@ -1,6 +1,6 @@
 """Quantized GEMM cases (plugin API 1.1): random ggml blocks and the activation-rounding allowance.
 
-The oracle is the fp64 product of the activations with :func:`plinth.quant.dequantize` of the
+The oracle is the fp64 product of the activations with :func:`plinth.platform.quant.dequantize` of the
 weight (the reference semantics of the format). A backend may multiply the blocks natively the way
 llama.cpp does, rounding each 32-wide block of activations to int8 with scale ``amax / 127`` (its
 Q8_1): element ``k`` then moves by at most half a step, ``amax(block of k) / 254``, so an output
@@ -21,7 +21,7 @@ import math
 import torch
 
 from plinth.platform.backend import LinearWeight
-from plinth.quant import QUANT_BLOCKS, QuantizedWeight, quantize_q8_0
+from plinth.platform.quant import QUANT_BLOCKS, QuantizedWeight, quantize_q8_0
 
 #: Activations per rounding block, and the half-step divisor of an int8 rounding with scale amax / 127.
 ACT_BLOCK = 32
@@ -46,7 +46,7 @@ def random_q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
 
 
 def random_q8_0(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
-    """:func:`plinth.quant.quantize_q8_0` of random weights; one all-zero block (scale 0)."""
+    """:func:`plinth.platform.quant.quantize_q8_0` of random weights; one all-zero block (scale 0)."""
     w = torch.randn(n, k, generator=gen) / math.sqrt(k)
     w[0, ACT_BLOCK : 2 * ACT_BLOCK] = 0.0  # a block whose scale is 0: 0 * q, never 0 / 0
     return quantize_q8_0(w)

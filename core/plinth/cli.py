@@ -291,9 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose_log else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from plinth.engine import InvalidRequest
     from plinth.platform.backend import NotSupported
     from plinth.platform.host import BackendError
+    from plinth.runtime.engine import InvalidRequest
     from plinth.validation import InvalidParameter
 
     try:

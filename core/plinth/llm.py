@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from plinth.config import EngineConfig
-from plinth.engine import LLMEngine
-from plinth.outputs import RequestOutput
 from plinth.platform.host import PluginHost
+from plinth.runtime.engine import LLMEngine
+from plinth.runtime.outputs import RequestOutput
 from plinth.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -51,7 +51,7 @@ class LLM:
 
         :param params: one SamplingParams for all prompts, or one per prompt.
         :param on_output: called with every intermediate output (for streaming or progress).
-        :raises plinth.engine.InvalidRequest: a prompt is refused; none of this call's requests run.
+        :raises plinth.runtime.engine.InvalidRequest: a prompt is refused; none of this call's requests run.
         """
         prompt_list: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

@@ -26,8 +26,8 @@ from plinth.platform.backend import (
     NotSupported,
     SmallOps,
 )
+from plinth.platform.quant import QUANT_BLOCKS, QuantizedWeight, dequantize_blocks
 from plinth.platform.reference import ReferenceAttention, ReferenceBackend, ReferenceGemm
-from plinth.quant import QUANT_BLOCKS, QuantizedWeight, dequantize_blocks
 
 
 def _full_block_attention(

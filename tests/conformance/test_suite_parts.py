@@ -10,8 +10,8 @@ import torch
 
 from plinth.cli import main
 from plinth.platform.backend import AttentionSpec, Capabilities
+from plinth.platform.quant import dequantize
 from plinth.platform.reference import ReferenceBackend
-from plinth.quant import dequantize
 from plinth_conformance.cases import attention_cases, case_seed, gemm_cases, ops_cases, quant_cases, undeclared_cases
 from plinth_conformance.matrix import render_matrix
 from plinth_conformance.paged import build_batch, golden_attention

@@ -73,6 +73,6 @@ def test_checks_return_the_value_in_its_type() -> None:
 
 def test_generate_imports_no_pydantic() -> None:
     """The CLI's generation path stays off pydantic (about 0.3 s of the cold start)."""
-    code = "import sys, plinth.cli, plinth.llm, plinth.engine; print('pydantic' in sys.modules)"
+    code = "import sys, plinth.cli, plinth.llm, plinth.runtime.engine; print('pydantic' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

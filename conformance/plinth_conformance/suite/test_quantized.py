@@ -1,7 +1,7 @@
 """Quantized GEMM (plugin API 1.1): ``prepare_quantized`` then ``linear`` for every block format a
 backend declares in ``Capabilities.quant_formats``.
 
-The golden result is the fp64 product with ``plinth.quant.dequantize(weight)``; the int8 rounding
+The golden result is the fp64 product with ``plinth.platform.quant.dequantize(weight)``; the int8 rounding
 of activations llama.cpp-style kernels do is forgiven up to its worst case per element (see
 :mod:`plinth_conformance.quantized`), the rest is gated like any GEMM. Blocks, activations (also
 as a view into a NaN-guarded buffer) and bias must be unchanged. The bytes the prepared weight
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from plinth.platform.backend import Backend, torch_dtype
+from plinth.platform.quant import dequantize
 from plinth.platform.reference import ReferenceGemm
-from plinth.quant import dequantize
 from plinth_conformance.cases import QuantCase
 from plinth_conformance.checks import declared_gemm, kernel_call
 from plinth_conformance.quantized import (

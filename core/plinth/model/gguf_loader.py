@@ -15,7 +15,7 @@ import torch
 
 from plinth.model.config import ModelConfig, RopeScaling
 from plinth.model.gguf_reader import GGUFFile
-from plinth.quant import QuantizedWeight
+from plinth.platform.quant import QuantizedWeight
 
 # llama.cpp tensor name (inside blk.N.) -> Hugging Face name (inside model.layers.N.)
 _BLOCK_NAMES = {

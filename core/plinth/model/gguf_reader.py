@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plinth.quant import QUANT_BLOCKS, QuantizedWeight, dequantize_blocks
+from plinth.platform.quant import QUANT_BLOCKS, QuantizedWeight, dequantize_blocks
 
 # GGUF metadata value types (the GGUF specification): the scalars' struct formats, and the two others
 _SCALARS: dict[int, tuple[str, int]] = {
@@ -237,7 +237,7 @@ class GGUFFile:
         return torch.from_numpy(out.reshape(info.shape))
 
     def quantized(self, name: str) -> QuantizedWeight | None:
-        """Tensor ``name`` as its raw blocks, if it is a 2-D tensor in a format of :mod:`plinth.quant`.
+        """Tensor ``name`` as its raw blocks, if it is a 2-D tensor in a format of :mod:`plinth.platform.quant`.
 
         The blocks are a view of the file's map (no copy: the page cache backs them)."""
         info = self.tensors[name]

@@ -16,7 +16,7 @@ from torch import nn
 from plinth.model.config import RopeScaling
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.platform.backend import AttentionKernels, LinearWeight
-from plinth.quant import QuantizedWeight, dequantize, quantize_q8_0
+from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
 
 
 class Linear(nn.Module):

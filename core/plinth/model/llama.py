@@ -14,7 +14,7 @@ from plinth.model.config import ModelConfig
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from plinth.platform.backend import AttentionKernels, AttentionSpec, dtype_name
-from plinth.quant import QuantizedWeight, dequantize
+from plinth.platform.quant import QuantizedWeight, dequantize
 
 # Checkpoint entries that are derived state, not weights: skipped without complaint.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")

@@ -23,8 +23,8 @@ from plinth.model.gguf_loader import gguf_config, gguf_weights
 from plinth.model.gguf_reader import GGUFFile
 from plinth.model.hf import hf_config, hf_weights
 from plinth.model.registry import model_class
-from plinth.quant import QuantizedWeight
-from plinth.tokenizer import Tokenizer
+from plinth.model.tokenizer import Tokenizer
+from plinth.platform.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from plinth.quant import QuantizedWeight, dequantize
+from plinth.platform.quant import QuantizedWeight, dequantize
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -232,7 +232,7 @@ class GemmKernels(ABC):
         """``x`` [M, K] @ weight.T (+ bias) -> [M, N]."""
 
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
-        """Prepare a weight kept in a ggml block format (see :mod:`plinth.quant`).
+        """Prepare a weight kept in a ggml block format (see :mod:`plinth.platform.quant`).
 
         The core calls this only for formats the backend lists in ``Capabilities.quant_formats``
         (API 1.1); for any other it dequantizes first and calls :meth:`prepare`. The default

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from plinth.outputs import CompletionOutput, RequestOutput
+from plinth.runtime.outputs import CompletionOutput, RequestOutput
 from plinth.sampling_params import SamplingParams
 from plinth.server.app import ServerState, get_state
 from plinth.server.errors import as_api_error, error_body, invalid_parameter

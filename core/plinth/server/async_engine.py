@@ -24,12 +24,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plinth.engine import InvalidRequest
-from plinth.outputs import RequestOutput
+from plinth.runtime.engine import InvalidRequest
+from plinth.runtime.outputs import RequestOutput
 from plinth.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from plinth.engine import LLMEngine
+    from plinth.runtime.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from plinth.engine import InvalidRequest
+from plinth.model.tokenizer import ChatTemplateError
+from plinth.runtime.engine import InvalidRequest
 from plinth.server.async_engine import EngineError, EngineOverloaded, EngineStopped
-from plinth.tokenizer import ChatTemplateError
 from plinth.validation import InvalidParameter
 
 logger = logging.getLogger(__name__)

@@ -45,8 +45,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from plinth.config import EngineConfig
-    from plinth.engine import LLMEngine
     from plinth.model.loader import resolve_model
+    from plinth.runtime.engine import LLMEngine
     from plinth.server.app import ServerSettings, build_app
     from plinth.server.async_engine import AsyncEngine
     from plinth.startup import start_up_done

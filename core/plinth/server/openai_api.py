@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from plinth.outputs import RequestOutput, TokenLogprob
+from plinth.runtime.outputs import RequestOutput, TokenLogprob
 from plinth.sampling_params import SamplingParams
 from plinth.server.app import ServerState, get_state
 from plinth.server.errors import as_api_error, error_body

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from plinth.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from plinth.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from plinth.server.errors import as_api_error
 
 T = TypeVar("T")

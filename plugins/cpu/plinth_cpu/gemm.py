@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.platform.backend import GemmKernels, LinearWeight
-from plinth.quant import QuantizedWeight
+from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import QUANT_FORMATS, NativeKernels
 
 #: ``LinearWeight.format`` of an fp32 weight laid out in 8-row panels for the native kernels.

@@ -136,7 +136,7 @@ class TritonBackend(Backend):
             block_sizes=(16, 32, 64),
             max_gqa_ratio=None,
             features=frozenset(features),
-            # no ggml block format (plinth.quant) yet: the GEMM's int8/int4 weight-only formats
+            # no ggml block format (plinth.platform.quant) yet: the GEMM's int8/int4 weight-only formats
             # are its own, made by plinth_triton.quant.quantize, not by the core's loader
             quant_formats=frozenset(),
             kv_cache_layout=KVCacheLayout(),

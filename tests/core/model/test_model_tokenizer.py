@@ -1,4 +1,4 @@
-"""plinth.tokenizer: the GGUF-built tokenizer of the default model, HF folders, chat templates and
+"""plinth.model.tokenizer: the GGUF-built tokenizer of the default model, HF folders, chat templates and
 the incremental detokenizer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from plinth.model.loader import load_tokenizer, resolve_model
-from plinth.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from plinth.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 # ids from transformers' AutoTokenizer.from_pretrained(dir, gguf_file=...) (checked live: slow test)
 EXPECTED_IDS = {

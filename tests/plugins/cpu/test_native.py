@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.platform.backend import AttentionMetadata, AttentionSpec, SmallOps
-from plinth.quant import QuantizedWeight, dequantize, quantize_q8_0
+from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
 from plinth_cpu import native as native_mod
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
 from plinth_cpu.gemm import DEQUANT_ROWS_MAX_ROWS, NATIVE_QUANT_MAX_ROWS, CpuGemm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plinth.sampler import ARGMAX_CHUNK, Sampler, SampleRow, apply_penalties, argmax_rows, filtered_probs
+from plinth.runtime.sampler import ARGMAX_CHUNK, Sampler, SampleRow, apply_penalties, argmax_rows, filtered_probs
 from plinth.sampling_params import SamplingParams
 from plinth.validation import InvalidParameter
 

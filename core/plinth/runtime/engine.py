@@ -14,19 +14,19 @@ from dataclasses import dataclass, field
 import torch
 
 from plinth.config import EngineConfig
-from plinth.graphs import DecodeGraphs
 from plinth.model.context import ModelKernels
 from plinth.model.loader import load_model, load_tokenizer, resolve_model
-from plinth.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from plinth.model.tokenizer import IncrementalDetokenizer
 from plinth.platform.backend import torch_dtype
 from plinth.platform.host import BackendStatus, PluginHost, default_host
 from plinth.platform.kernels import resolve_kernels
-from plinth.runner import ModelRunner
-from plinth.sampler import SampleResult
+from plinth.runtime.graphs import DecodeGraphs
+from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from plinth.runtime.runner import ModelRunner
+from plinth.runtime.sampler import SampleResult
 from plinth.sampling_params import SamplingParams
 from plinth.sched.request import Request, RequestStatus, StopCriteria
 from plinth.sched.scheduler import Scheduler
-from plinth.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Decode step graphs (plinth.graphs.DecodeGraphs) against eager forwards of a tiny random Llama."""
+"""Decode step graphs (plinth.runtime.graphs.DecodeGraphs) against eager forwards of a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from plinth.graphs import DecodeGraphs
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.model.loader import load_model, resolve_model
 from plinth.platform.backend import AttentionMetadata, Backend, SmallOps
 from plinth.platform.reference import ReferenceBackend
-from plinth.runner import ModelRunner
+from plinth.runtime.graphs import DecodeGraphs
+from plinth.runtime.runner import ModelRunner
 from plinth.sched.output import ScheduledRequest, SchedulerOutput
 from plinth.sched.request import Request, StopCriteria
 from plinth_cpu.backend import CpuBackend, CpuStepGraph

@@ -7,10 +7,10 @@ from typing import Protocol
 
 import torch
 
-from plinth.graphs import DecodeGraphs
 from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
-from plinth.sampler import Sampler, SampleResult, SampleRow
+from plinth.runtime.graphs import DecodeGraphs
+from plinth.runtime.sampler import Sampler, SampleResult, SampleRow
 from plinth.sched.output import SchedulerOutput
 
 

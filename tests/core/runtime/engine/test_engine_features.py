@@ -9,8 +9,8 @@ import pytest
 from engine_helpers import save_tiny_folder
 
 from plinth import LLM, SamplingParams
-from plinth.engine import InvalidRequest
 from plinth.platform.host import BackendError
+from plinth.runtime.engine import InvalidRequest
 from plinth.validation import InvalidParameter
 
 
