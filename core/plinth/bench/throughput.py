@@ -7,21 +7,22 @@ import json
 import time
 from typing import Any
 
+from plinth.bench import output_path
 from plinth.bench.datasets import BenchRequest, sharegpt, synthetic
-from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options
+from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options, positive_int
 
 
 def add_bench_throughput_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``plinth bench throughput``."""
     add_engine_arguments(p)
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=positive_int, default=64, help="requests in the workload")
     p.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic, seed 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in one step at most")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, help="token budget of one step")
     add_kv_cache_prefault_argument(p)
-    p.add_argument("--json", default=None, help="write the results to this JSON file")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", type=output_path, default=None, help="write the results to this JSON file (default: none)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_throughput(llm: Any, requests: list[BenchRequest], progress: bool = True) -> dict[str, Any]:
