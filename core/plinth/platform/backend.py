@@ -173,6 +173,72 @@ class AttentionMetadata:
         """B, the number of sequences."""
         return len(self.seq_lens_host)
 
+    @classmethod
+    def from_lengths(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int] | torch.Tensor,
+        block_tables: torch.Tensor | list[list[int]],
+        *,
+        block_size: int | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+        max_seq_len: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """The metadata of a batch whose sequence ``i`` computes its last ``query_lens[i]`` of
+        ``seq_lens[i]`` tokens: the one way to build one (API 1.4).
+
+        .. versionadded:: 1.4
+
+        :param query_lens: new tokens per sequence (host ints).
+        :param seq_lens: kv tokens per sequence: host ints, or an int32 tensor used as it is (a
+            step graph's fixed buffer; its host copy is read once, here).
+        :param block_tables: ``[B, max_blocks]`` int32 tensor used as it is, or one block-id list per
+            sequence (padded with block 0).
+        :param block_size: derive ``slot_mapping`` from the block tables (each token's slot in its
+            block); give this or ``slot_mapping``.
+        :param slot_mapping: ``[T]`` int64 slots used as they are (-1: a padding token that writes no
+            K/V); a caller that already holds the tokens' positions computes them once itself.
+        :param query_start_loc: ``[B+1]`` offsets the caller already holds (default: the cumulative
+            sum of ``query_lens``).
+        :param max_seq_len: default ``max(seq_lens)``; a step graph passes the context length.
+        :param device: where the tensors go (default: where they are; new ones on the host).
+        """
+        if (block_size is None) == (slot_mapping is None):
+            raise ValueError("AttentionMetadata.from_lengths needs exactly one of block_size and slot_mapping")
+        if isinstance(seq_lens, torch.Tensor):
+            seq_lens_host: list[int] = seq_lens.tolist()
+            seq_lens_t = seq_lens.to(device=device, dtype=torch.int32)
+        else:
+            seq_lens_host = seq_lens
+            seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        if not isinstance(block_tables, torch.Tensor):
+            width = max(len(t) for t in block_tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        if query_start_loc is None:
+            query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=query_start_loc[1:])
+        if slot_mapping is None:
+            assert block_size is not None
+            # token j of sequence i sits at position seq_lens[i] - query_lens[i] + j
+            positions = torch.tensor(
+                [p for q, s in zip(query_lens, seq_lens_host, strict=True) for p in range(s - q, s)], dtype=torch.long
+            )
+            seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
+            blocks = block_tables.to("cpu")[seq_of_token, positions // block_size].long()
+            slot_mapping = blocks * block_size + positions % block_size
+        return cls(
+            query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+            seq_lens=seq_lens_t,
+            block_tables=block_tables.to(device=device),
+            slot_mapping=slot_mapping.to(device=device, dtype=torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens_host) if max_seq_len is None else max_seq_len,
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens_host,
+        )
+
 
 class AttentionKernels(ABC):
     """KV-cache write and paged attention for one :class:`AttentionSpec`."""

@@ -78,15 +78,14 @@ class ModelRunner:
         positions = torch.tensor(starts, dtype=torch.long).index_select(0, seq_of_token) + offset_in_seq
         block_idx = block_tables[seq_of_token, positions // self.block_size].long()
         slot_mapping = block_idx * self.block_size + positions % self.block_size
-        attn = AttentionMetadata(
-            query_start_loc=query_start_loc.to(torch.int32).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+        # the positions are needed here anyway: the slots and offsets are passed in, not derived again
+        attn = AttentionMetadata.from_lengths(
+            query_lens,
+            seq_lens,
+            block_tables,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            device=dev,
         )
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -75,24 +75,8 @@ def _meta(chunks: Sequence[Sequence[int]], computed: Sequence[int], tables: Sequ
     """The eager varlen batch: sequence i computes ``chunks[i]`` after ``computed[i]`` cached tokens."""
     q_lens = [len(c) for c in chunks]
     seq_lens = [c + n for c, n in zip(computed, q_lens, strict=True)]
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    slots = [
-        t[p // BLOCK] * BLOCK + p % BLOCK
-        for t, c, n in zip(tables, computed, q_lens, strict=True)
-        for p in range(c, c + n)
-    ]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (MAX_BLOCKS - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
-    )
+    block_tables = torch.tensor([t + [0] * (MAX_BLOCKS - len(t)) for t in tables], dtype=torch.int32)
+    return AttentionMetadata.from_lengths(q_lens, seq_lens, block_tables, block_size=BLOCK)
 
 
 def _eager(
