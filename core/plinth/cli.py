@@ -84,6 +84,8 @@ def _report(llm, out) -> None:  # noqa: ANN001
         else f"[{engine.backend.name} backend, {m.num_generated_tokens} tokens]",
         file=sys.stderr,
     )
+    for note in engine.kernels.fallbacks:  # slow ops an operator should know about
+        print(f"[reference fallback: {note}]", file=sys.stderr)
 
 
 class _Timings:

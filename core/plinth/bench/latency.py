@@ -180,6 +180,8 @@ def run_bench_latency(args: argparse.Namespace) -> int:
     result = measure_latency(llm, args.input_len, args.output_len, args.iters)
     if not args.no_cold_start:
         result.update(measure_cold_start(args.model, args.backend))
+    # ops that ran on the reference kernel: figures measured with any are not the backend's
+    result["kernel_fallbacks"] = list(llm.engine.kernels.fallbacks)
     line = (
         f"{result['backend']}: batch-1 decode {result['decode_tok_s']:.1f} tok/s "
         f"({args.input_len}-token prompt, {args.output_len} tokens), time to first token {result['ttft_s']:.3f} s"
@@ -195,6 +197,7 @@ def run_bench_latency(args: argparse.Namespace) -> int:
         f"{result['decode_tok_s_runs']} tok/s, each against the probes just before and after it: "
         f"{result['read_probe_gbps_runs']} GB/s)"
     )
+    line += "".join(f"\n  reference fallback: {note}" for note in result["kernel_fallbacks"])
     print(line)
     if args.json:
         with open(args.json, "w") as f:
