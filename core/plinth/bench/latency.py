@@ -11,10 +11,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plinth.bench import BenchError, output_path
 from plinth.engine_args import add_engine_arguments, engine_options, int_at_least, positive_int
+
+if TYPE_CHECKING:
+    from plinth.platform.backend import DeviceServices
 
 
 def add_bench_latency_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,8 +39,6 @@ def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> di
     ``pct_of_bandwidth_limit`` is the median of those per-run percentages."""
     import random
 
-    import torch
-
     from plinth.sampling_params import SamplingParams
 
     rng = random.Random(0)
@@ -45,18 +46,19 @@ def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> di
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     weights = weight_bytes_per_token(llm.engine.model)
     backend = llm.engine.backend.name
+    services = llm.engine.backend.device_services()
     decode, ttft, probes = [], [], []
-    buffer = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)  # one buffer for every probe of the run
+    buffer = probe_buffer(services)  # one buffer for every probe of the run
     for i in range(iters + 1):
         prompt = [rng.randrange(256, vocab) for _ in range(input_len)]  # fresh: no prefix-cache hit
         if i > 0:
-            probes.append(read_bandwidth_probes(backend, repeats=3, buffer=buffer))  # just before run k
+            probes.append(read_bandwidth_probes(services, repeats=3, buffer=buffer))  # just before run k
         [out] = llm.generate(prompt, params)
         if i == 0:
             continue  # warm-up
         decode.append(out.metrics.decode_tokens_per_s)
         ttft.append(out.metrics.time_to_first_token)
-    probes.append(read_bandwidth_probes(backend, repeats=3, buffer=buffer))
+    probes.append(read_bandwidth_probes(services, repeats=3, buffer=buffer))
     adjacent = [max(*probes[k].values(), *probes[k + 1].values()) for k in range(len(decode))]
     pct = [100 * d * weights / (gbps * 1e9) for d, gbps in zip(decode, adjacent, strict=True)]
     best = {name: max(p[name] for p in probes) for name in probes[0]}
@@ -95,32 +97,34 @@ PROBE_BYTES = 256 << 20
 
 
 def read_bandwidth_probes(
-    backend: str, nbytes: int = PROBE_BYTES, repeats: int = 5, buffer: Any = None
+    services: DeviceServices, nbytes: int = PROBE_BYTES, repeats: int = 5, buffer: Any = None
 ) -> dict[str, float]:
-    """GB/s of reading ``nbytes`` (best of ``repeats``), by torch's ``sum`` and, on the cpu backend,
-    by its AVX2 streaming loop (the loads its GEMV makes). The larger is the limit decode is held to.
-    ``buffer`` (fp32, a multiple of 4096 floats) is read instead of a fresh ``nbytes`` one, so repeated
-    probes do not allocate and fault in 256 MB each."""
-    import torch
-
-    x = buffer if buffer is not None else torch.ones(nbytes // 4, dtype=torch.float32)  # fp32, numel % 4096 == 0
+    """GB/s of reading ``nbytes`` (best of ``repeats``) by each of the backend's read probes
+    (:meth:`~plinth.platform.backend.DeviceServices.read_probes`: torch's ``sum``, and the loads the
+    backend's own GEMV makes where it offers them). The largest is the limit decode is held to.
+    ``buffer`` (fp32 on the services' device, a multiple of 4096 floats) is read instead of a fresh
+    ``nbytes`` one, so repeated probes do not allocate and fault in 256 MB each."""
+    x = buffer if buffer is not None else probe_buffer(services, nbytes)
     nbytes = x.numel() * 4
-    probes: dict[str, Callable[[], object]] = {"torch_sum": x.sum}
-    if backend == "cpu":
-        try:
-            from plinth_cpu.native import native
-        except ImportError:
-            kernels = None
-        else:
-            kernels = native()
-        if kernels is not None:
-            probes["avx2_stream"] = lambda: kernels.read_probe(x)
     results = {}
-    for name, fn in probes.items():
-        fn()
-        best = min(_timed(fn) for _ in range(repeats))
+    for name, probe in services.read_probes().items():
+
+        def read(probe: Callable[[Any], object] = probe) -> None:
+            probe(x)
+            services.synchronize()  # an accelerator's read has finished when the clock stops
+
+        read()
+        best = min(_timed(read) for _ in range(repeats))
         results[name] = nbytes / best / 1e9
     return results
+
+
+def probe_buffer(services: DeviceServices, nbytes: int = PROBE_BYTES) -> Any:
+    """An fp32 buffer of ``nbytes`` (rounded down to 4096 floats) on the services' device, written
+    once, for :func:`read_bandwidth_probes`."""
+    import torch
+
+    return torch.ones(nbytes // 4 // 4096 * 4096, dtype=torch.float32, device=services.device)
 
 
 def _timed(fn: Callable[[], object]) -> float:

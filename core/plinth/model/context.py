@@ -6,11 +6,12 @@ The forward context is an argument, never global state: one object per step, bui
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, GemmKernels, SmallOps
+from plinth.platform.devices import HOST
 
 
 @dataclass(slots=True)
@@ -35,6 +36,6 @@ class ModelKernels:
     gemm: GemmKernels
     ops: SmallOps
     attention: Callable[[AttentionSpec], AttentionKernels]
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = HOST
     quant_formats: frozenset[str] = frozenset()
     quantize: str | None = None

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from plinth.model.config import ModelConfig
+from plinth.platform.devices import HOST
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
@@ -90,7 +91,7 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _read_pickles(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location=HOST, weights_only=True)
         if not isinstance(state, dict):
             raise ValueError(f"{path} does not hold a state dict (got {type(state).__name__})")
         yield from state.items()

@@ -14,6 +14,7 @@ from plinth.model.config import ModelConfig
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from plinth.platform.backend import AttentionKernels, AttentionSpec, dtype_name
+from plinth.platform.devices import HOST
 from plinth.platform.quant import QuantizedWeight, dequantize
 
 # Checkpoint entries that are derived state, not weights: skipped without complaint.
@@ -138,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         table = self.embed_tokens
         assert table is not None, "forward before load_weights"
         if isinstance(table, QuantizedWeight):  # a few rows' blocks, not the whole table, dequantized
-            rows = dequantize(table.rows(input_ids.to("cpu"))).to(device=self.device, dtype=self.dtype)
+            rows = dequantize(table.rows(input_ids.to(HOST))).to(device=self.device, dtype=self.dtype)
             return rows if out is None else out.copy_(rows)
         if out is None:
             return table.index_select(0, input_ids)

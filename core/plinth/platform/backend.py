@@ -11,6 +11,7 @@ here carries ``versionadded`` for itself and for each member added after it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -373,6 +374,30 @@ class DeviceServices:
         """The compute dtype to use when the user does not choose one."""
         return "float32"
 
+    def set_num_threads(self, n: int) -> None:
+        """Run this backend's host-side work on ``n`` threads (``--threads``, ``EngineConfig.num_threads``).
+
+        The engine calls it once, before it asks for any kernels, and only when the user chose a
+        count; otherwise the backend keeps its own default. The default sets torch's intra-op thread
+        count (the host threads torch's CPU ops use); a backend with a thread pool of its own sets that
+        too.
+
+        .. versionadded:: 1.4
+        """
+        torch.set_num_threads(n)
+
+    def read_probes(self) -> dict[str, Callable[[torch.Tensor], object]]:
+        """Ways to stream-read device memory, by name, for ``plinth bench latency``'s bandwidth limit.
+
+        Each callable reads every element of one fp32 tensor on :attr:`device` (contiguous, ``numel`` a
+        multiple of 4096) once; the bench times each (calling :meth:`synchronize` after it) and holds
+        batch-1 decode to the fastest, the read bandwidth a bandwidth-bound GEMV could reach. The
+        default is torch's ``sum``; a backend adds the loads its own GEMV kernel makes.
+
+        .. versionadded:: 1.4
+        """
+        return {"torch_sum": torch.Tensor.sum}
+
     def begin_graph_capture(self) -> GraphCapture | None:
         """Start recording kernel calls into a :class:`StepGraph`; None (the default) where the
         backend cannot. The runner captures decode steps once per batch-size bucket and replays
@@ -423,8 +448,18 @@ class Backend(ABC):
         """Norm, activation and rotary ops; the default is plain torch."""
         return SmallOps()
 
-    def allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int) -> torch.Tensor:
-        """One layer's KV cache, shaped by the declared :class:`KVCacheLayout`."""
+    def allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int, *, prefault: bool = False) -> torch.Tensor:
+        """One layer's KV cache, shaped by the declared :class:`KVCacheLayout`, zero-filled.
+
+        :param prefault: back every page with memory before returning (``EngineConfig.kv_cache_prefault``,
+            what a long-running server wants: no step then pays for a first touch). False lets a backend
+            fill pages lazily, as blocks are first written (what a one-shot command wants: a short
+            start-up). The default writes the whole cache either way. An implementation written before
+            1.4 does not take it and is called without it.
+
+        .. versionchanged:: 1.4
+           ``prefault``.
+        """
         layout = self.capabilities().kv_cache_layout
         shape = layout.shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
         device = self.device_services().device

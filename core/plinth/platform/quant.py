@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from plinth.platform.devices import HOST
+
 #: Block format -> (weights per block, bytes per block).
 QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q8_0": (32, 34), "q4_1": (32, 20)}
 
@@ -102,7 +104,7 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedWeight:
     n, k = weight.shape
     if k % 32:
         raise ValueError(f"q8_0 needs in_features divisible by 32, got {k}")
-    w = weight.detach().to("cpu", torch.float32).reshape(-1, 32)  # [n_blocks, 32]
+    w = weight.detach().to(HOST, torch.float32).reshape(-1, 32)  # [n_blocks, 32]
     d = w.abs().amax(dim=1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     scaled = w * inv

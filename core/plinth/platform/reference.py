@@ -26,6 +26,7 @@ from plinth.platform.backend import (
     Probe,
     torch_dtype,
 )
+from plinth.platform.devices import HOST
 
 REFERENCE_SCORE = 1
 
@@ -146,7 +147,7 @@ class ReferenceBackend(Backend):
     description = "plain-torch oracle: slow, obviously correct"
 
     def __init__(self) -> None:
-        self._services = DeviceServices(torch.device("cpu"))
+        self._services = DeviceServices(HOST)
         self._caps = Capabilities(
             dtypes=frozenset({"float32", "float64"}),
             kv_cache_dtypes=frozenset({"float32", "float64"}),

@@ -7,6 +7,7 @@ the scheduler, the runner and the detokenizer.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from plinth.config import EngineConfig
 from plinth.model.context import ModelKernels
 from plinth.model.loader import load_model, load_tokenizer, resolve_model
 from plinth.model.tokenizer import IncrementalDetokenizer
-from plinth.platform.backend import torch_dtype
+from plinth.platform.backend import AttentionSpec, Backend, torch_dtype
 from plinth.platform.host import BackendStatus, PluginHost, default_host
 from plinth.platform.kernels import resolve_kernels
 from plinth.runtime.graphs import DecodeGraphs
@@ -33,6 +34,17 @@ logger = logging.getLogger(__name__)
 _PREFERRED_BLOCK_SIZE = 16
 _DEFAULT_KV_FRACTION = 0.3  # of free memory, when the user does not size the cache
 _MAX_DEFAULT_KV_BYTES = 1 << 30
+
+
+def allocate_kv_caches(
+    backend: Backend, specs: list[AttentionSpec], num_blocks: int, *, prefault: bool
+) -> list[torch.Tensor]:
+    """One KV cache per layer from ``backend``; ``prefault`` is passed only to an implementation that
+    takes it (API 1.4), as pluggy prunes a hook argument an older implementation does not know."""
+    allocate = backend.allocate_kv_cache
+    if "prefault" in inspect.signature(allocate).parameters:
+        return [allocate(spec, num_blocks, prefault=prefault) for spec in specs]
+    return [allocate(spec, num_blocks) for spec in specs]
 
 
 class InvalidRequest(ValueError):
@@ -78,8 +90,8 @@ class LLMEngine:
         self.backend_status: BackendStatus = host.select(config.backend)
         backend = self.backend = self.backend_status.backend
         services = backend.device_services()
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        if config.num_threads is not None:  # before any kernels are asked for, so they start with it
+            services.set_num_threads(config.num_threads)
         dtype = config.dtype or services.default_dtype()
         kv_dtype = config.kv_cache_dtype or dtype
         caps = backend.capabilities()
@@ -129,10 +141,7 @@ class LLMEngine:
             logger.warning("KV cache holds %d tokens: context length lowered to that", fits)
             self.max_model_len = fits
         lap = time.monotonic()
-        kv_caches = [backend.allocate_kv_cache(spec, num_blocks) for spec in specs]
-        if config.kv_cache_prefault:
-            for cache in kv_caches:
-                cache.zero_()  # every page touched now, not by the first step that writes it
+        kv_caches = allocate_kv_caches(backend, specs, num_blocks, prefault=config.kv_cache_prefault)
         self.startup_seconds["kv_cache"] = time.monotonic() - lap
         self.block_size = block_size
         self.num_blocks = num_blocks

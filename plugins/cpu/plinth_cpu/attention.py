@@ -145,31 +145,20 @@ class CpuAttention(AttentionKernels):
     one instance must not run two ``forward`` calls at the same time.
     """
 
-    def __init__(
-        self, spec: AttentionSpec, layout: KVCacheLayout = CPU_KV_LAYOUT, native: NativeKernels | None = None
-    ) -> None:
+    def __init__(self, spec: AttentionSpec, layout: KVCacheLayout = CPU_KV_LAYOUT) -> None:
         if layout.dims != CPU_KV_LAYOUT.dims:
             raise ValueError(f"CpuAttention needs the KV layout {CPU_KV_LAYOUT.dims}, got {layout.dims}")
         super().__init__(spec, layout)
         self._workspace = _Workspace()
-        # the native kernels take fp32 queries over an fp32 cache, head sizes a multiple of 8
-        fp32 = spec.dtype == "float32" and spec.kv_cache_dtype == "float32"
-        self._native = native if fp32 and spec.head_size % 8 == 0 else None
+
+    def _native_for(self, query: torch.Tensor, kv_cache: torch.Tensor) -> NativeKernels | None:
+        """The native kernels to run ``forward`` with over these operands; None: torch ops only."""
+        return None
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Store ``key``/``value`` ([T, Hkv, D]) at ``slot_mapping`` ([T]); slots < 0 are skipped."""
-        if (
-            self._native is not None
-            and key.dtype == value.dtype == kv_cache.dtype == torch.float32
-            and key.stride(2) == value.stride(2) == 1
-            and key.stride(1) == value.stride(1) == key.shape[2]
-            and kv_cache.is_contiguous()
-            and slot_mapping.dtype == torch.int64
-        ):
-            self._native.write_kv(key, value, kv_cache, slot_mapping.contiguous())
-            return
         num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
         keep = slot_mapping >= 0  # [T]; False for padding tokens
         slots = slot_mapping[keep].long()  # [T']
@@ -189,8 +178,7 @@ class CpuAttention(AttentionKernels):
         past ``query_start_loc[-1]``) get zeros.
         """
         num_tokens, num_heads, head_size = query.shape
-        # the native kernels read fp32 queries over a contiguous fp32 cache; torch takes the rest
-        native = self._native if query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() else None
+        native = self._native_for(query, kv_cache)
         if (
             native is not None
             and meta.max_query_len == 1
@@ -465,3 +453,37 @@ class CpuAttention(AttentionKernels):
         spare = out.shape[0] - 1
         dest = torch.where(j < q_len[:, None], start[:, None] + j, spare).flatten()  # [G*Q]
         out.index_copy_(0, dest, o.view(G * max_q, num_heads, head_size).to(out.dtype))
+
+
+class NativeAttention(CpuAttention):
+    """:class:`CpuAttention` with the native kernels, registered for fp32 specs whose head size is a
+    multiple of 8; operands the kernels do not take (another dtype, a strided cache) go to torch."""
+
+    def __init__(self, spec: AttentionSpec, layout: KVCacheLayout, native: NativeKernels) -> None:
+        super().__init__(spec, layout)
+        self._native = native
+
+    @staticmethod
+    def covers(spec: AttentionSpec) -> bool:
+        """True for the specs the native kernels run: fp32 queries over an fp32 cache, D % 8 == 0."""
+        return spec.dtype == spec.kv_cache_dtype == "float32" and spec.head_size % 8 == 0
+
+    def _native_for(self, query: torch.Tensor, kv_cache: torch.Tensor) -> NativeKernels | None:
+        """The native kernels for fp32 queries over a contiguous fp32 cache; None for the rest."""
+        fits = query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        return self._native if fits else None
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """One native call for fp32 K/V with dense heads into a contiguous cache; torch otherwise."""
+        if (
+            key.dtype == value.dtype == kv_cache.dtype == torch.float32
+            and key.stride(2) == value.stride(2) == 1
+            and key.stride(1) == value.stride(1) == key.shape[2]
+            and kv_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64
+        ):
+            self._native.write_kv(key, value, kv_cache, slot_mapping.contiguous())
+            return
+        super().write_kv(key, value, kv_cache, slot_mapping)

@@ -51,10 +51,53 @@ NATIVE_QUANT_MAX_ROWS = 16
 
 
 class CpuGemm(GemmKernels):
-    """``x @ w.T + b`` in one compute dtype; ``native`` kernels where available (else torch only)."""
+    """``x @ w.T + b`` in one compute dtype through torch's ``F.linear`` (the backend without native
+    kernels, and the base of :class:`NativeGemm`)."""
 
-    def __init__(self, dtype: torch.dtype, native: NativeKernels | None = None, activations: str | None = None) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
+        """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous on the CPU."""
+        w = weight.to(device="cpu", dtype=self.dtype).contiguous()  # [N, K]
+        b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).contiguous()  # [N]
+        n, k = w.shape
+        return LinearWeight(out_features=n, in_features=k, weight=w, bias=b)
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """``x`` [M, K] (any strides) -> [M, N]."""
+        if weight.format != "dense" or weight.weight is None:
+            raise ValueError(f"{type(self).__name__} got a {weight.format!r} weight without a dense tensor")
+        return _torch_linear(x, weight.weight, weight.bias)
+
+
+def _torch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, never handing its bf16/fp16 path a strided ``x``.
+
+    torch 2.13's bf16 ``F.linear`` on Intel AMX hosts (oneDNN) reads outside a strided view of ``x``
+    at M = 33 (issue 23: NaN in the conformance case ``gemm-bf16-33x255x513-bias-x-strided``; fine at
+    M <= 16 and in fp32), and a model hands the GEMM such views (the halves of a fused projection). The
+    copy costs little next to the product: on AMD EPYC Zen 3 (AVX2/FMA only, 2 threads) a
+    ``[M, 576]`` bf16 view of a ``[M, 1728]`` tensor copies in 1.5 us at M = 1, 4 us at M = 64 and
+    19 us at M = 512, against 0.1 / 1.4 / 9 ms for the [576 x 1536] product. fp32 keeps the view
+    (its path reads it correctly, and the fp32 speed stays as it was)."""
+    if x.dtype in _COPY_STRIDED and not x.is_contiguous():
+        x = x.contiguous()
+    return F.linear(x, w, bias)
+
+
+#: Dtypes whose torch GEMM gets a contiguous copy of a strided ``x`` (see :func:`_torch_linear`).
+_COPY_STRIDED = frozenset({torch.bfloat16, torch.float16})
+
+
+class NativeGemm(CpuGemm):
+    """:class:`CpuGemm` with the native kernels: fp32 weights in panels, q4_1/q8_0 blocks kept.
+
+    Both native paths take a contiguous fp32 copy of ``x`` unless it is one already, so the library
+    never sees a strided view."""
+
+    def __init__(self, dtype: torch.dtype, native: NativeKernels, activations: str | None = None) -> None:
+        super().__init__(dtype)
         self.native = native
         if activations is None:
             activations = os.environ.get(ACTIVATIONS_ENV, "int16")
@@ -67,19 +110,19 @@ class CpuGemm(GemmKernels):
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
-        """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype on the CPU; fp32 weights
-        the native kernels take are laid out in panels (format ``"f32_panels"``)."""
-        w = weight.to(device="cpu", dtype=self.dtype).contiguous()  # [N, K]
-        b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).contiguous()  # [N]
-        n, k = w.shape
-        if self.native is not None and self.dtype == torch.float32 and k % 8 == 0:
-            panels = self.native.pack_f32(w)  # [ceil(N/8), K, 8]
-            return LinearWeight(n, k, weight=None, bias=b, format=PANELS, data={"panels": panels})
-        return LinearWeight(out_features=n, in_features=k, weight=w, bias=b)
+        """As :meth:`CpuGemm.prepare`; fp32 weights with K a multiple of 8 are laid out in panels
+        (format ``"f32_panels"``) instead."""
+        prepared = super().prepare(weight, bias)
+        w = prepared.weight
+        if self.dtype != torch.float32 or w is None or prepared.in_features % 8:
+            return prepared
+        panels = self.native.pack_f32(w)  # [ceil(N/8), K, 8]
+        return LinearWeight(prepared.out_features, prepared.in_features, weight=None, bias=prepared.bias,
+                            format=PANELS, data={"panels": panels})  # fmt: skip
 
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
         """Keep q4_1/q8_0 blocks as they are (the bias in fp32); other formats are dequantized."""
-        if self.native is None or weight.format not in QUANT_FORMATS:
+        if weight.format not in QUANT_FORMATS:
             return super().prepare_quantized(weight, bias)
         b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
         return LinearWeight(
@@ -94,25 +137,15 @@ class CpuGemm(GemmKernels):
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] -> [M, N]."""
         if weight.format == PANELS:
-            return self._panels(x, weight.data["panels"], weight.bias, weight.out_features)
-        if weight.format != "dense":
+            xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+            y = self.native.gemm_f32_panels(xf, weight.data["panels"], weight.bias, weight.out_features)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if weight.format in QUANT_FORMATS:
             return self._linear_quantized(x, weight)
-        if weight.weight is None:
-            raise ValueError(f"CpuGemm got a {weight.format!r} weight without a dense tensor")
-        return F.linear(x, weight.weight, weight.bias)
-
-    def _panels(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        native = self.native
-        if native is None:
-            raise ValueError(f"CpuGemm got a {PANELS!r} weight but has no native kernels")
-        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
-        y = native.gemm_f32_panels(xf, panels, bias, n)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return super().linear(x, weight)
 
     def _linear_quantized(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         native = self.native
-        if native is None:
-            raise ValueError(f"CpuGemm got a {weight.format!r} weight but has no native kernels")
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         blocks = weight.data["blocks"]
         n = weight.out_features

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from plinth.host_memory import huge_page_tensor
+from plinth_cpu.host_memory import huge_page_tensor
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
@@ -276,7 +276,7 @@ class NativeKernels:
         Panel ``p`` holds rows ``8p..8p+7`` k-major; the last panel's missing rows are zeros. The
         layout :meth:`gemm_f32_panels` multiplies."""
         N, K = w.shape
-        panels = huge_page_tensor(((N + 7) // 8, K, 8), torch.float32)  # streamed by every step: see plinth.host_memory
+        panels = huge_page_tensor(((N + 7) // 8, K, 8), torch.float32)  # streamed every step: huge pages
         self.lib.plinth_pack_f32_panels(w.data_ptr(), panels.data_ptr(), N, K)
         return panels
 
@@ -432,8 +432,10 @@ class NativeKernels:
             raise MemoryError("no memory for prefill attention scores")
 
 
-@cache
-def _load() -> tuple[NativeKernels | None, str]:
+def _unusable() -> tuple[str | None, str]:
+    """``(compiler, "")`` where the kernels can be built and run here, else ``(None, why not)``.
+
+    Reads the environment, ``/proc/cpuinfo`` and ``$PATH`` only: nothing is compiled or loaded."""
     if os.environ.get("PLINTH_CPU_NATIVE", "1") == "0":
         return None, "native kernels off (PLINTH_CPU_NATIVE=0)"
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -447,6 +449,14 @@ def _load() -> tuple[NativeKernels | None, str]:
     compiler = _compiler()
     if compiler is None:
         return None, "native kernels need a C compiler (cc, gcc or clang; or $CC), none found"
+    return compiler, ""
+
+
+@cache
+def _load() -> tuple[NativeKernels | None, str]:
+    compiler, why_not = _unusable()
+    if compiler is None:
+        return None, why_not
     try:
         return NativeKernels(build(compiler)), f"native kernels: AVX2/FMA ({compiler})"
     except (NativeBuildError, OSError) as e:
@@ -454,13 +464,32 @@ def _load() -> tuple[NativeKernels | None, str]:
 
 
 def native() -> NativeKernels | None:
-    """The loaded kernels, built on first use; ``None`` where they cannot run here."""
+    """The loaded kernels, compiled on first use where the cache has none (about a second; ``make
+    install`` builds ahead); ``None`` where they cannot run here. Called when a kernel is first
+    asked for, never while plugins are discovered or probed."""
     return _load()[0]
 
 
+def native_loaded() -> bool:
+    """True once :func:`native` has run (whatever it found): asking again then costs nothing."""
+    return bool(_load.cache_info().currsize)
+
+
 def native_status() -> str:
-    """One line: which native kernels run, or why none do."""
-    return _load()[1]
+    """One line: which native kernels run, or why none do. Compiles and loads nothing: before the
+    kernels are first asked for it says whether the library is built (cached on disk) or will be."""
+    if native_loaded():
+        return _load()[1]
+    compiler, why_not = _unusable()
+    if compiler is None:
+        return why_not
+    path = library_path(compiler)
+    if path.exists():
+        return f"native kernels: AVX2/FMA ({compiler}), built ({path}), loaded on first kernel request"
+    return (
+        f"native kernels: AVX2/FMA ({compiler}), not built yet: compiled on first kernel request "
+        "(python -m plinth_cpu.native builds ahead)"
+    )
 
 
 if __name__ == "__main__":  # `python -m plinth_cpu.native`: build ahead (make install does this)

@@ -12,21 +12,17 @@ class CpuOps(SmallOps):
     """:class:`SmallOps` with one native call per op where the operands are fp32 (else torch's).
 
     Each torch default is several kernels over the activations (RMSNorm: square, mean, rsqrt,
-    two multiplies); at decode sizes their dispatch costs more than the arithmetic.
+    two multiplies); at decode sizes their dispatch costs more than the arithmetic. The backend
+    registers it only where the native kernels load (else plain :class:`SmallOps`); the checks left
+    in each op are of its operands (dtype, shape, strides), which the native calls need.
     """
 
-    def __init__(self, native: NativeKernels | None) -> None:
+    def __init__(self, native: NativeKernels) -> None:
         self.native = native
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim: ``x / rms(x) * weight``."""
-        if (
-            self.native is None
-            or x.dtype != torch.float32
-            or weight.dtype != torch.float32
-            or x.dim() != 2
-            or x.shape[1] % 8
-        ):
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 8:
             return super().rms_norm(x, weight, eps)
         return self.native.rms_norm(x.contiguous(), weight.contiguous(), eps)
 
@@ -35,8 +31,7 @@ class CpuOps(SmallOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` in place, then ``(RMSNorm(residual), residual)``, in one native pass."""
         if (
-            self.native is None
-            or x.dtype != torch.float32
+            x.dtype != torch.float32
             or residual.dtype != torch.float32
             or weight.dtype != torch.float32
             or x.dim() != 2
@@ -49,15 +44,14 @@ class CpuOps(SmallOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-        if self.native is None or x.dtype != torch.float32 or x.dim() != 2:
+        if x.dtype != torch.float32 or x.dim() != 2:
             return super().silu_and_mul(x)
         return self.native.silu_and_mul(x.contiguous())
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
         """NeoX rotary of ``x`` [T, H, D] at ``positions`` [T] (a new tensor; ``x`` is not modified)."""
         if (
-            self.native is None
-            or x.dtype != torch.float32
+            x.dtype != torch.float32
             or cos_sin.dtype != torch.float32
             or positions.dtype != torch.int64
             or x.dim() != 3

@@ -15,7 +15,8 @@ from plinth.platform.backend import AttentionSpec, NotSupported, SmallOps
 from plinth.platform.reference import REFERENCE_SCORE, ReferenceBackend, ReferenceGemm
 from plinth_cpu import CpuBackend, __version__, backend, plugin
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
-from plinth_cpu.gemm import CpuGemm
+from plinth_cpu.gemm import CpuGemm, NativeGemm
+from plinth_cpu.native import native
 
 PYPROJECT = Path(__file__).parents[3] / "plugins" / "cpu" / "pyproject.toml"
 
@@ -143,6 +144,68 @@ def test_allocate_kv_cache_follows_the_layout() -> None:
     assert cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
 
 
+def _resident_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of ``t``'s mapping resident in memory (``Rss`` in /proc/self/smaps); None if unknown."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    address = t.data_ptr()
+    for i, line in enumerate(lines):
+        head = line.split()[0] if line and not line.startswith((" ", "\t")) else ""
+        if "-" not in head:
+            continue
+        try:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+        except ValueError:
+            continue
+        if lo <= address < hi:
+            for entry in lines[i + 1 :]:
+                if entry.startswith("Rss:"):
+                    return int(entry.split()[1]) * 1024
+            return None
+    return None
+
+
+def test_allocate_kv_cache_prefault_backs_every_page() -> None:
+    """Lazily mapped by default (a first touch fills a page); ``prefault=True`` (API 1.4) faults the
+    whole 64 MiB in before returning, still all zeros."""
+    spec = AttentionSpec(8, 4, 64, 16)
+    size = 2 * 1024 * 4 * 16 * 64 * 4  # 64 MiB: 1024 blocks of fp32
+    lazy = CpuBackend().allocate_kv_cache(spec, 1024)
+    if (resident := _resident_bytes(lazy)) is None:
+        pytest.skip("/proc/self/smaps does not show the mapping's resident size")
+    assert resident < size // 8
+    eager = CpuBackend().allocate_kv_cache(spec, 1024, prefault=True)
+    assert (_resident_bytes(eager) or 0) >= size
+    assert not bool(eager.any()) and eager.shape == lazy.shape
+
+
+def test_services_set_the_thread_count_of_torch_and_the_pool() -> None:
+    """``set_num_threads`` (API 1.4) reaches torch and the native kernels' pool, loaded or not yet."""
+    services = CpuBackend().device_services()
+    before = torch.get_num_threads()
+    try:
+        services.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        if (kernels := native()) is not None:
+            assert kernels.num_threads() == 1
+            services.set_num_threads(2)
+            assert kernels.num_threads() == 2 and torch.get_num_threads() == 2
+    finally:
+        services.set_num_threads(before)
+
+
+def test_read_probes_stream_the_buffer() -> None:
+    """torch's sum, plus the native GEMV's streaming loop where the kernels load (API 1.4): each
+    reads the whole buffer (the sum of ones is its length)."""
+    probes = CpuBackend().device_services().read_probes()
+    assert set(probes) == ({"torch_sum", "avx2_stream"} if native() is not None else {"torch_sum"})
+    x = torch.ones(16 * 4096)
+    for name, probe in probes.items():
+        assert float(probe(x)) == x.numel(), name  # type: ignore[arg-type]
+
+
 def test_gemm_refuses_undeclared_dtype() -> None:
     """An unknown compute dtype is a NotSupported, not a KeyError."""
     with pytest.raises(NotSupported, match="GEMM in int8"):
@@ -160,7 +223,7 @@ def test_gemm_float32_matches_reference(with_bias: bool) -> None:
     gemm = CpuBackend().gemm_kernels("float32")
     assert isinstance(gemm, CpuGemm)
     prepared = gemm.prepare(w.t().contiguous().t(), b)  # a strided weight comes out contiguous
-    if gemm.native is not None:
+    if isinstance(gemm, NativeGemm):
         assert prepared.format == "f32_panels" and prepared.weight is None
         assert prepared.data["panels"].shape == (6, 80, 8)
     else:
@@ -193,10 +256,12 @@ def test_linear_without_dense_weight_is_a_clear_error() -> None:
 
 
 def test_device_services_and_small_ops() -> None:
-    """Host CPU services; the small ops are CpuOps (native kernels for fp32 where built)."""
+    """Host CPU services; the small ops are CpuOps where the native kernels load, torch's otherwise
+    (chosen once, not checked in every op)."""
     be = CpuBackend()
     services = be.device_services()
     assert services.device == torch.device("cpu")
     free, total = services.memory_info()
     assert 0 < free <= total
-    assert isinstance(be.small_ops(), SmallOps) and type(be.small_ops()).__name__ == "CpuOps"
+    assert isinstance(be.small_ops(), SmallOps)
+    assert type(be.small_ops()).__name__ == ("CpuOps" if native() is not None else "SmallOps")

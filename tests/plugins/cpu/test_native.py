@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from plinth.platform.backend import AttentionMetadata, AttentionSpec, SmallOps
 from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
 from plinth_cpu import native as native_mod
-from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention
-from plinth_cpu.gemm import DEQUANT_ROWS_MAX_ROWS, NATIVE_QUANT_MAX_ROWS, CpuGemm
+from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
+from plinth_cpu.gemm import DEQUANT_ROWS_MAX_ROWS, NATIVE_QUANT_MAX_ROWS, NativeGemm
 from plinth_cpu.native import GRAPH_OPS, GraphError, NativeGraph, NativeKernels, native, native_status
 from plinth_cpu.ops import CpuOps
 
@@ -143,7 +143,7 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, act
     w = dequantize(qw)
     b = torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen)
-    gemm = CpuGemm(torch.float32, nk, activations=activations)
+    gemm = NativeGemm(torch.float32, nk, activations=activations)
     prepared = gemm.prepare_quantized(qw, b)
     assert prepared.format == fmt and prepared.weight is None  # never dequantized at load
     y = gemm.linear(x, prepared)
@@ -164,14 +164,15 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, act
         assert ((y[:1] - row).abs() <= bound).all()  # row alone: int16 path
 
 
-def test_activation_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+@needs_native
+def test_activation_mode_from_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PLINTH_CPU_ACTIVATIONS", raising=False)
-    assert CpuGemm(torch.float32).activations == "int16"
+    assert NativeGemm(torch.float32, nk).activations == "int16"
     monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "int8")
-    assert CpuGemm(torch.float32).activations == "int8"
+    assert NativeGemm(torch.float32, nk).activations == "int8"
     monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "fp16")
     with pytest.raises(ValueError, match="PLINTH_CPU_ACTIVATIONS='fp16'"):
-        CpuGemm(torch.float32)
+        NativeGemm(torch.float32, nk)
 
 
 @needs_native
@@ -292,7 +293,7 @@ def test_decode_attention_matches_torch_path(
         seq_lens = seq_lens * 2 + [3, 21]
     cache, meta = _decode_batch(seq_lens, spec, 48, gen)
     q = torch.randn(len(seq_lens), spec.num_heads, 32, generator=gen)
-    got = CpuAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
+    got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
     expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -323,7 +324,7 @@ def test_prefill_attention_matches_torch_path(
         q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
     )
     q = torch.randn(sum(q_lens), spec.num_heads, head_size, generator=gen)
-    got = CpuAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
+    got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
     expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -336,7 +337,7 @@ def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
     k, v = qkv[:, 64:96].view(6, 2, 16), qkv[:, 96:].view(6, 2, 16)  # strided views, as the model passes
     slots = torch.tensor([3, 4, -1, 17, 0, 9])
     a, b = torch.zeros(CPU_KV_LAYOUT.shape(6, 4, 2, 16)), torch.zeros(CPU_KV_LAYOUT.shape(6, 4, 2, 16))
-    CpuAttention(spec, CPU_KV_LAYOUT, nk).write_kv(k, v, a, slots)
+    NativeAttention(spec, CPU_KV_LAYOUT, nk).write_kv(k, v, a, slots)
     CpuAttention(spec).write_kv(k.contiguous(), v.contiguous(), b, slots)
     assert torch.equal(a, b) and a.abs().sum() > 0
 

@@ -1,4 +1,4 @@
-"""Huge-page host buffers (plinth.host_memory)."""
+"""Huge-page host buffers (plinth_cpu.host_memory)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plinth.host_memory import HUGE_PAGE, huge_page_tensor
+from plinth_cpu.host_memory import HUGE_PAGE, huge_page_tensor
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
