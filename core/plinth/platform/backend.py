@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from plinth.platform.devices import HOST
 from plinth.platform.quant import QuantizedWeight, dequantize
 
 # The torch-free value objects live in plinth.platform.values (discovery imports them without
@@ -153,7 +154,7 @@ class AttentionMetadata:
                 [p for q, s in zip(query_lens, seq_lens_host, strict=True) for p in range(s - q, s)], dtype=torch.long
             )
             seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
-            blocks = block_tables.to("cpu")[seq_of_token, positions // block_size].long()
+            blocks = block_tables.to(HOST)[seq_of_token, positions // block_size].long()
             slot_mapping = blocks * block_size + positions % block_size
         return cls(
             query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
