@@ -252,6 +252,16 @@ class SmallOps:
     .. versionadded:: 1.0
     """
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a 2-D tensor ``[S, V]`` -> ``[S]`` int64: the first index of each
+        row's maximum, a NaN counting as the maximum (torch's rule). The sampler picks greedy tokens
+        and its exponential-race draws with it, once per step; a backend whose torch argmax is slow
+        on its device overrides it with a faster equivalent that returns the same indices.
+
+        .. versionadded:: 1.4
+        """
+        return x.argmax(dim=-1)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 at least: ``x / rms(x) * weight``."""
         dtype = x.dtype

@@ -16,8 +16,8 @@ from plinth.platform.backend import AttentionMetadata, Backend, SmallOps
 from plinth.platform.reference import ReferenceBackend
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.runner import ModelRunner
-from plinth.sched.output import ScheduledRequest, SchedulerOutput
-from plinth.sched.request import Request, StopCriteria
+from plinth.sched.output import ScheduledChunk, SchedulerOutput
+from plinth.sched.request import SequenceId
 from plinth_cpu.backend import CpuBackend, CpuStepGraph
 from plinth_cpu.native import native, native_status
 
@@ -121,7 +121,7 @@ class _Batch:
     def scheduled(self, rows: list[int], ids: list[list[int]]) -> SchedulerOutput:
         """A step computing tokens ``ids[j]`` of sequence ``rows[j]`` after its cached ones."""
         reqs = [
-            ScheduledRequest(Request(f"r{i}", [1], StopCriteria(8)), t, self.lens[i], self.tables[i], 0)
+            ScheduledChunk(SequenceId(f"r{i}", 0), t, self.lens[i], self.tables[i], ())
             for i, t in zip(rows, ids, strict=True)
         ]
         return SchedulerOutput(reqs, num_batched_tokens=sum(len(t) for t in ids))
