@@ -77,9 +77,11 @@ def _torch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
     torch 2.13's bf16 ``F.linear`` on Intel AMX hosts (oneDNN) reads outside a strided view of ``x``
     at M = 33 (issue 23: NaN in the conformance case ``gemm-bf16-33x255x513-bias-x-strided``; fine at
     M <= 16 and in fp32), and a model hands the GEMM such views (the halves of a fused projection). The
-    copy costs little next to the product: on AMD EPYC Zen 3 (AVX2/FMA only, 2 threads) a
-    ``[M, 576]`` bf16 view of a ``[M, 1728]`` tensor copies in 1.5 us at M = 1, 4 us at M = 64 and
-    19 us at M = 512, against 0.1 / 1.4 / 9 ms for the [576 x 1536] product. fp32 keeps the view
+    copy costs little next to the product. Measured on AMD EPYC Zen 3 (AVX2/FMA only; 2 threads, a
+    machine shared at load ~15, so each figure is the fastest of 200 runs, 20 at M = 512): a bf16
+    ``[M, 576]`` view of ``[M, 1152]`` copies in 2.5 us at M = 16, 6 us at M = 64 and 28 us at M = 512,
+    against 1.2-1.5 ms for the [576 -> 1536] product at M = 16 alone (fp16 alike). At M = 1 a row view
+    is already contiguous and nothing is copied. fp32 keeps the view
     (its path reads it correctly, and the fp32 speed stays as it was)."""
     if x.dtype in _COPY_STRIDED and not x.is_contiguous():
         x = x.contiguous()

@@ -432,7 +432,7 @@ class NativeKernels:
             raise MemoryError("no memory for prefill attention scores")
 
 
-def _unusable() -> tuple[str | None, str]:
+def build_check() -> tuple[str | None, str]:
     """``(compiler, "")`` where the kernels can be built and run here, else ``(None, why not)``.
 
     Reads the environment, ``/proc/cpuinfo`` and ``$PATH`` only: nothing is compiled or loaded."""
@@ -454,7 +454,7 @@ def _unusable() -> tuple[str | None, str]:
 
 @cache
 def _load() -> tuple[NativeKernels | None, str]:
-    compiler, why_not = _unusable()
+    compiler, why_not = build_check()
     if compiler is None:
         return None, why_not
     try:
@@ -480,7 +480,7 @@ def native_status() -> str:
     kernels are first asked for it says whether the library is built (cached on disk) or will be."""
     if native_loaded():
         return _load()[1]
-    compiler, why_not = _unusable()
+    compiler, why_not = build_check()
     if compiler is None:
         return why_not
     path = library_path(compiler)

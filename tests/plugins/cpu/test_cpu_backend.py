@@ -265,3 +265,37 @@ def test_device_services_and_small_ops() -> None:
     assert 0 < free <= total
     assert isinstance(be.small_ops(), SmallOps)
     assert type(be.small_ops()).__name__ == ("CpuOps" if native() is not None else "SmallOps")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("k", [255, 256])  # 255: fp32 stays dense [N, K] for F.linear; 256: fp32 panels
+def test_gemm_never_hands_torch_a_strided_half_precision_x(monkeypatch: pytest.MonkeyPatch, dtype: str, k: int) -> None:
+    """Issue 23: torch's bf16 F.linear (oneDNN, AMX hosts) reads outside a strided view of ``x`` at
+    M = 33. bf16/fp16 get a contiguous copy; fp32 keeps its view (read correctly, no copy to pay);
+    the native kernels only ever get contiguous operands. NaN beside the view never leaks in."""
+    from plinth_cpu import gemm as gemm_module
+
+    seen: list[bool] = []
+    real_linear = gemm_module.F.linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(x.is_contiguous())
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(gemm_module.F, "linear", spy)
+    gen = torch.Generator().manual_seed(5)
+    torch_dtype = getattr(torch, dtype)
+    w, b = torch.randn(513, k, generator=gen), torch.randn(513, generator=gen)
+    wide = torch.full((33, 2 * k), float("nan"), dtype=torch_dtype)
+    wide[:, :k] = torch.randn(33, k, generator=gen).to(torch_dtype)
+    x = wide[:, :k]  # [33, k] with row stride 2k: NaN between the rows
+    gemm = CpuBackend().gemm_kernels(dtype)
+    out = gemm.linear(x, gemm.prepare(w, b))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), x.float() @ w.t() + b, rtol=3e-2, atol=2e-1)
+    if dtype != "float32":
+        assert seen == [True]
+    elif gemm.prepare(w, b).format == "dense":
+        assert seen == [False]  # the fp32 view as given
+    else:
+        assert seen == []  # native panels: a contiguous copy, never torch
