@@ -124,7 +124,7 @@ class ChatSession:
             self.out.write(now[len(shown) :])
             self.out.flush()
             shown = now
-            if flag.hit:
+            if flag.hit and not output.finished:
                 raise _Stopped
 
         final: RequestOutput | None = None

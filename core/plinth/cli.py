@@ -131,8 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = llm.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt = llm.encode_chat([{"role": "user", "content": prompt}])  # checked as llm.chat checks it
     [out] = llm.generate(prompt, params, on_output=stream)
     text = out.outputs[0].text
     sys.stdout.write(text[streamed:] + "\n")
