@@ -65,8 +65,13 @@ API    adds / changes
        calls every hook through pluggy, so implementations of older signatures keep working;
        the value objects import without torch from :mod:`plinth.platform.values`;
        ``DeviceServices.compile`` removed (the core never called it: an override is now simply
-       unused); ``DeviceServices.synchronize`` documented with its callers; and the members
-       marked ``.. versionadded:: 1.4``
+       unused); ``DeviceServices.synchronize`` documented with its callers;
+       ``AttentionMetadata.from_lengths`` (the one constructor of a varlen batch's metadata);
+       ``SmallOps.argmax`` (the sampler's greedy pick, default torch's); ``DeviceServices.
+       set_num_threads`` (``--threads``; default torch's intra-op count) and ``read_probes``
+       (``plinth bench latency``'s bandwidth limit; default torch's ``sum``);
+       ``Backend.allocate_kv_cache(..., prefault=)`` (default: zero-filled, so every page is
+       touched anyway)
 =====  ===========================================================================================
 """
 
@@ -95,7 +100,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 2): "step graphs: DeviceServices.begin_graph_capture -> GraphCapture -> StepGraph",
     (1, 3): "StepGraph.replay_rows",
     (1, 4): "plinth_register_kernels(backend); hooks called through pluggy; torch-free plinth.platform.values; "
-    "DeviceServices.compile removed; members marked versionadded 1.4",
+    "DeviceServices.compile removed; AttentionMetadata.from_lengths, SmallOps.argmax, "
+    "DeviceServices.set_num_threads and read_probes, Backend.allocate_kv_cache(prefault=)",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.
