@@ -63,6 +63,8 @@ API    adds / changes
        ``replay()``, every row)
 1.4    ``plinth_register_kernels`` gains ``backend`` (the selected ``Backend`` object); the host
        calls every hook through pluggy, so implementations of older signatures keep working;
+       ``KernelProvider.api_version`` (checked like a backend's: a kernel-only plugin was never
+       version-checked);
        the value objects import without torch from :mod:`plinth.platform.values`;
        ``DeviceServices.compile`` removed (the core never called it: an override is now simply
        unused); ``DeviceServices.synchronize`` documented with its callers;
@@ -99,9 +101,9 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 1): "quantized weights (Capabilities.quant_formats, GemmKernels.prepare_quantized); SmallOps.add_rms_norm",
     (1, 2): "step graphs: DeviceServices.begin_graph_capture -> GraphCapture -> StepGraph",
     (1, 3): "StepGraph.replay_rows",
-    (1, 4): "plinth_register_kernels(backend); hooks called through pluggy; torch-free plinth.platform.values; "
-    "DeviceServices.compile removed; AttentionMetadata.from_lengths, SmallOps.argmax, "
-    "DeviceServices.set_num_threads and read_probes, Backend.allocate_kv_cache(prefault=)",
+    (1, 4): "plinth_register_kernels(backend); hooks called through pluggy; KernelProvider.api_version; "
+    "torch-free plinth.platform.values; DeviceServices.compile removed; AttentionMetadata.from_lengths, "
+    "SmallOps.argmax, DeviceServices.set_num_threads and read_probes, Backend.allocate_kv_cache(prefault=)",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

@@ -490,10 +490,15 @@ class KernelProvider(ABC):
 
     #: The backend these kernels are for; a provider for another backend is ignored.
     backend_name: ClassVar[str]
-    #: Shown where the engine reports which kernels it uses.
+    #: Named in the engine's log when its kernels are chosen, and in errors.
     name: ClassVar[str]
     #: The backend's own kernels have priority 0.
     priority: ClassVar[int] = 0
+    #: The ``PLUGIN_API_VERSION`` this provider was written against; checked like
+    #: ``Backend.api_version`` (a kernel-only plugin registers no backend to check).
+    #:
+    #: .. versionadded:: 1.4
+    api_version: ClassVar[tuple[int, int]] = (1, 0)
 
     def attention_kernels(self, spec: AttentionSpec, layout: KVCacheLayout) -> AttentionKernels | None:
         """Kernels for ``spec``, or None when this provider does not cover it."""

@@ -77,6 +77,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _api_refusal(what: str, info: PluginInfo, obj: object) -> str | None:
+    """Why ``obj`` (a backend or kernel provider) is refused for its ``api_version``; None if it is not.
+
+    Another major is refused, and so is a minor newer than this plinth's: the object may rely on
+    members this plinth does not have.
+    """
+    major, minor = hookspecs.PLUGIN_API_VERSION
+    want = tuple(getattr(obj, "api_version", (0, 0)))
+    if want[0] == major and want[1] <= minor:
+        return None
+    return f"{what} from {info.dist_name} needs plugin API {want[0]}.{want[1]}, this plinth provides {major}.{minor}"
+
+
 class PluginHost:
     """Loads backend plugins and answers "which backend?".
 
@@ -159,13 +172,8 @@ class PluginHost:
         if not isinstance(name, str) or not name:
             info.error = f"registered a backend without a name: {backend!r}"
             return
-        major, minor = hookspecs.PLUGIN_API_VERSION
-        want = tuple(getattr(backend, "api_version", (0, 0)))
-        if want[0] != major or want[1] > minor:
-            info.error = (
-                f"backend {name!r} from {info.dist_name} needs plugin API {want[0]}.{want[1]}, "
-                f"this plinth provides {major}.{minor}"
-            )
+        if (refusal := _api_refusal(f"backend {name!r}", info, backend)) is not None:
+            info.error = refusal
             logger.warning(info.error)
             return
         if name in self._backends:
@@ -242,7 +250,15 @@ class PluginHost:
                 logger.warning("plugin %s (%s): %s", info.name, info.dist_name, info.error)
                 continue
             for batch in batches:
-                providers.extend(p for p in batch if p.backend_name == backend_name)
+                for provider in batch:
+                    if provider.backend_name != backend_name:
+                        continue
+                    name = getattr(provider, "name", type(provider).__name__)
+                    if (refusal := _api_refusal(f"kernel provider {name!r}", info, provider)) is not None:
+                        info.error = refusal
+                        logger.warning(info.error)
+                        continue
+                    providers.append(provider)
         # sorted() is stable: equal priorities keep plugin (entry-point name) order
         return sorted(providers, key=lambda p: -p.priority)
 

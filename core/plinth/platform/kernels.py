@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from plinth.platform.backend import (
     AttentionKernels,
@@ -25,6 +26,8 @@ from plinth.platform.backend import (
 from plinth.platform.reference import ReferenceAttention, ReferenceGemm
 
 logger = logging.getLogger(__name__)
+
+_K = TypeVar("_K", GemmKernels, AttentionKernels)
 
 
 @dataclass(slots=True)
@@ -47,55 +50,71 @@ def resolve_kernels(
 ) -> KernelSet:
     """Resolve GEMM and small ops now, and return an attention factory that resolves per layer spec.
 
-    For each op: providers with priority above 0 (``providers`` is highest first, as
-    ``PluginHost.kernel_providers`` returns it) that cover the case; else the backend's own
-    kernels; else, where the backend raises :class:`NotSupported`, any other provider that covers
-    it; else the reference kernel with a warning (recorded in ``KernelSet.fallbacks``). Attention
-    never falls back to the reference kernel when the backend's KV layout is not the reference's:
-    the reference kernels could not read that cache.
+    For each op: providers with priority above 0 that cover the case, highest first (the chosen
+    one is logged at INFO); else the backend's own kernels; else, where the backend raises
+    :class:`NotSupported`, a provider of priority 0 or below that covers it; else the reference
+    kernel with a warning (recorded in ``KernelSet.fallbacks``). Attention never falls back to the
+    reference kernel when the backend's KV layout is not the reference's: the reference kernels
+    could not read that cache.
 
     :param backend: the selected backend.
-    :param providers: kernel providers contributed to it, highest priority first.
+    :param providers: kernel providers contributed to it (``PluginHost.kernel_providers``), in
+        any order: their priorities order them here, ties keeping the given order.
     :param dtype: the compute dtype name.
     :param strict: raise :class:`NotSupported` instead of falling back to the reference kernels.
     :raises NotSupported: in strict mode where a fallback would be taken, and for attention the
         backend's KV layout keeps from the reference kernel.
     """
     fallbacks: list[str] = []
+    announced: set[str] = set()
     layout = backend.capabilities().kv_cache_layout
-    providers = sorted(providers, key=lambda p: -p.priority)  # stable: equal priorities keep their order
+    ranked = sorted(providers, key=lambda p: -p.priority)  # stable: equal priorities keep their order
+    preferred = [p for p in ranked if p.priority > 0]  # asked before the backend
+    spare = [p for p in ranked if p.priority <= 0]  # asked only where the backend cannot
+
+    def provided(group: list[KernelProvider], make: Callable[[KernelProvider], _K | None], what: str) -> _K | None:
+        for provider in group:
+            if (kernels := make(provider)) is not None:
+                note = f"{what}: kernel provider {provider.name} (priority {provider.priority})"
+                if note not in announced:  # every layer of a model shares a spec: say it once
+                    announced.add(note)
+                    logger.info(note)
+                return kernels
+        return None
 
     def fallback(what: str, err: NotSupported) -> None:
         if strict:
             raise err
         note = f"{what}: {err}; using the reference kernel (slow)"
-        if note not in fallbacks:  # every layer of a model shares a spec: say it once
+        if note not in fallbacks:
             logger.warning(note)
             fallbacks.append(note)
 
-    gemm: GemmKernels | None = None
-    for provider in providers:
-        if provider.priority > 0 and (gemm := provider.gemm_kernels(dtype)) is not None:
-            break
+    def make_gemm(provider: KernelProvider) -> GemmKernels | None:
+        return provider.gemm_kernels(dtype)
+
+    gemm = provided(preferred, make_gemm, f"GEMM in {dtype}")
     if gemm is None:
         try:
             gemm = backend.gemm_kernels(dtype)
         except NotSupported as err:
-            gemm = next((g for p in providers if (g := p.gemm_kernels(dtype)) is not None), None)
+            gemm = provided(spare, make_gemm, f"GEMM in {dtype}")
             if gemm is None:
                 fallback("GEMM", err)
                 gemm = ReferenceGemm(torch_dtype(dtype))
 
     def attention(spec: AttentionSpec) -> AttentionKernels:
-        for provider in providers:
-            if provider.priority > 0 and (kernels := provider.attention_kernels(spec, layout)) is not None:
-                return kernels
+        def make(provider: KernelProvider) -> AttentionKernels | None:
+            return provider.attention_kernels(spec, layout)
+
+        what = f"attention for {spec}"
+        if (kernels := provided(preferred, make, what)) is not None:
+            return kernels
         try:
             return backend.attention_kernels(spec)
         except NotSupported as err:
-            for provider in providers:
-                if (kernels := provider.attention_kernels(spec, layout)) is not None:
-                    return kernels
+            if (kernels := provided(spare, make, what)) is not None:
+                return kernels
             if layout.dims != ReferenceAttention.default_layout().dims:
                 raise NotSupported(
                     backend.name,

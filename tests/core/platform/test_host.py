@@ -225,6 +225,31 @@ def test_a_raising_kernel_hook_is_reported_and_the_other_plugins_still_contribut
         host.kernel_providers("nope")
 
 
+def test_a_kernel_provider_for_another_api_major_is_refused_naming_the_plugin() -> None:
+    from plinth.platform.backend import KernelProvider
+
+    class _Future(KernelProvider):
+        backend_name = "reference"
+        name = "future-gemm"
+        priority = 50
+        api_version = (2, 0)
+
+    class _Current(KernelProvider):
+        backend_name = "reference"
+        name = "current-gemm"
+
+    class _Plug:
+        @hookimpl
+        def plinth_register_kernels(self, backend_name: str) -> list:
+            return [_Future(), _Current()]
+
+    host = PluginHost(plugins=(("acme-kernels", _Plug()),))
+    assert [p.name for p in host.kernel_providers("reference")] == ["current-gemm"]
+    info = next(p for p in host.plugins if p.name == "acme-kernels")
+    assert info.error is not None and "'future-gemm'" in info.error and "2.0" in info.error
+    assert "acme-kernels" in info.error
+
+
 def test_a_raising_register_backends_is_reported_with_the_plugin_and_others_still_load() -> None:
     class _Boom:
         @hookimpl

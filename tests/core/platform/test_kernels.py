@@ -99,12 +99,18 @@ def _by(kernels: object) -> str:
     return getattr(kernels, "by", "backend")
 
 
-def test_higher_priority_provider_wins_over_the_backend_and_a_lower_one() -> None:
+def test_higher_priority_provider_wins_over_the_backend_and_a_lower_one(caplog: pytest.LogCaptureFixture) -> None:
     # given in the wrong order on purpose: the priority decides, not the order
-    ks = resolve_kernels(ReferenceBackend(), [_Fast(), _Faster()], "float32")
-    assert _by(ks.gemm) == "faster"
-    assert _by(ks.attention(SPEC)) == "faster"
+    with caplog.at_level(logging.INFO, logger="plinth.platform.kernels"):
+        ks = resolve_kernels(ReferenceBackend(), [_Fast(), _Faster()], "float32")
+        assert _by(ks.gemm) == "faster"
+        assert _by(ks.attention(SPEC)) == "faster" and _by(ks.attention(SPEC)) == "faster"
     assert ks.fallbacks == []
+    chosen = [r.getMessage() for r in caplog.records]
+    assert chosen == [
+        "GEMM in float32: kernel provider faster (priority 20)",
+        f"attention for {SPEC}: kernel provider faster (priority 20)",  # said once for two layers
+    ]
 
 
 def test_a_case_the_top_provider_does_not_cover_goes_to_the_next_then_the_backend() -> None:
