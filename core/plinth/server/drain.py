@@ -5,7 +5,7 @@
    ``/health`` answers 503. The server keeps listening, so a client gets that answer rather
    than a refused connection.
 2. Requests in flight get ``--drain-timeout`` seconds to finish.
-3. At the deadline (or at a second signal) the engine aborts what is left with
+3. At the deadline (or at a second signal; a third one stops at once) the engine aborts what is left with
    :class:`EngineStopped`: every open stream sends an in-band error event and its terminator
    (``data: [DONE]``; Anthropic's ``error`` then ``message_stop``), every waiting non-streaming
    request gets a JSON 503. Those responses get a few seconds to be written.
@@ -118,13 +118,19 @@ class DrainingServer(uvicorn.Server):
     shutdown (which cancels the request tasks at its timeout: streams cut mid-chunk)."""
 
     drain: Drain | None = None
+    _signals = 0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """A signal: start (or hurry) the drain."""
+        """A signal: the first starts the drain, the second cuts the requests in flight, a third
+        stops without waiting for anything (uvicorn's force exit)."""
         # not recorded in _captured_signals: uvicorn would re-raise it after the shutdown, and the
         # default disposition of SIGTERM would then kill the process with -15
-        if self.drain is None:
+        self._signals += 1
+        if self.drain is None or self._signals >= 3:
+            self.force_exit = self._signals >= 3
             self.should_exit = True
+            if self.drain is not None and self.drain.clean is None:
+                self.drain.clean = False  # nothing was waited for: say so in the exit status
         else:
             self.drain.signal()
 

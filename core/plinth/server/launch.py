@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options
@@ -85,7 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     source = resolve_model(args.model)
     settings = ServerSettings(
-        served_model_names=args.served_model_name or [args.model or source.path.stem],
+        served_model_names=args.served_model_name or [_default_name(source.path)],
         api_key=args.api_key or os.environ.get("PLINTH_API_KEY") or None,
         max_output_tokens=args.max_output_tokens,
         max_request_bytes=args.max_request_bytes,
@@ -128,3 +129,9 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         print("plinth: server stopped", file=sys.stderr, flush=True)
     return drain.exit_code
+
+
+def _default_name(path: Path) -> str:
+    """The served name when none is given: the model file's stem or the folder's name, never its path
+    (``/v1/models`` shows it to every client)."""
+    return path.stem if path.is_file() else path.name

@@ -5,11 +5,13 @@ history shape, ``GET /v1/models/{id}``, Anthropic ``count_tokens`` and prefill, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from server_helpers import ServerProcess
 
 from plinth.runtime.outputs import CompletionOutput
+from plinth.server.launch import _default_name
 from plinth.server.streams import ChoiceCursor, partial_stop
 
 CHAT = [{"role": "user", "content": "Name a fruit."}]
@@ -142,3 +144,13 @@ def test_partial_stop_holds_back_only_a_possible_start() -> None:
     assert first is not None and first.text == "The answer is 4 "
     second = cursor.advance(_out("The answer is 4 </ans", finished=True))
     assert second is not None and second.text == "</ans"
+
+
+def test_default_served_name_is_never_a_path(tmp_path: Path) -> None:
+    gguf = tmp_path / "models" / "tiny.Q4_1.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"")
+    folder = tmp_path / "Llama-3.2-1B"
+    folder.mkdir()
+    assert _default_name(gguf) == "tiny.Q4_1"
+    assert _default_name(folder) == "Llama-3.2-1B"  # not Path.stem's "Llama-3"

@@ -167,3 +167,28 @@ def test_signal_with_work_that_finishes_in_time_exits_0(sig: signal.Signals) -> 
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
+
+
+@pytest.mark.slow  # a server of its own
+def test_second_signal_cuts_at_once() -> None:
+    server = start_server("--max-model-len", "1024", "--drain-timeout", "300")
+    try:
+        events: list[str] = []
+        started = threading.Event()
+        body = {"prompt": "Once upon a time", "stream": True, **LONG}
+        t = threading.Thread(target=_stream_events, args=(server, "/v1/completions", body, events, started))
+        t.start()
+        assert started.wait(120)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.proc.poll() is None  # draining: the stream has 300 s
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        code = server.proc.wait(60)
+        t.join(30)
+        assert code == 1 and time.monotonic() - t0 < 15, server.log_text()
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
