@@ -95,7 +95,7 @@ class Request(Generic[P]):
     seed: int | None = None
     n: int = 1
     sample_index: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # appended to, never replaced: samples hold it
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the first schedule
     status: RequestStatus = RequestStatus.WAITING
