@@ -119,28 +119,13 @@ def build_batch(spec: AttentionSpec, kind: str, gen: torch.Generator) -> PagedBa
         dtype=torch.int32,
     )
     news = [n for _, n in lengths]
-    starts = [0]
-    for n in news:
-        starts.append(starts[-1] + n)
-    slots = [
-        pages[i][pos // block] * block + pos % block for i, (c, n) in enumerate(lengths) for pos in range(c, c + n)
-    ]
-    num_tokens = starts[-1]
+    meta = AttentionMetadata.from_lengths(news, seq_lens, table, block_size=block)
+    num_tokens = sum(news)
     dtype = torch_dtype(spec.dtype)
     # Large queries make the softmax peaky (and the soft-cap bite); a real model's are like that.
     q_scale = 2.0 if spec.logits_soft_cap is not None else 1.0
     guard = torch.full((num_tokens + 2, spec.num_heads, d), float("nan"), dtype=dtype)
     guard[1 : num_tokens + 1] = _randn((num_tokens, spec.num_heads, d), dtype, gen, q_scale)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(news),
-        max_seq_len=max(seq_lens),
-        query_lens_host=news,
-        seq_lens_host=seq_lens,
-    )
     return PagedBatch(
         spec=spec,
         query=guard[1 : num_tokens + 1],

@@ -48,7 +48,10 @@ def render_plugin(name: str, dest_dir: Path, template: str | None = None, data: 
         raise ValueError(f"backend name {name!r}: use lowercase letters, digits and _, starting with a letter")
     import copier
 
-    answers = {"backend_name": name, **(data or {})}
+    from plinth.hookspecs import api_version_string
+
+    # the rendered plugin declares the API of the plinth rendering it, read from the contract
+    answers = {"backend_name": name, "plugin_api_version": api_version_string(), **(data or {})}
     dist = answers.get("distribution_name") or f"plinth-{name.replace('_', '-')}"
     target = Path(dest_dir) / str(dist)
     if target.exists() and any(target.iterdir()):

@@ -1,4 +1,5 @@
-"""The ``plinth`` command line: generate, chat, backends, serve, bench serve."""
+"""The ``plinth`` command line (also ``python -m plinth``): generate, chat, backends, serve, bench,
+conformance, plugin new."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plinth.startup import pause_collector, resume_collector, start_up_done
 
@@ -31,15 +33,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the likeliest tokens totalling P; 1 is off")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest tokens; 0 is off")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens under P x the likeliest one's probability")
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="penalize tokens of the prompt and output; 1 is off"
+    )
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -80,6 +84,8 @@ def _report(llm, out) -> None:  # noqa: ANN001
         else f"[{engine.backend.name} backend, {m.num_generated_tokens} tokens]",
         file=sys.stderr,
     )
+    for note in engine.kernels.fallbacks:  # slow ops an operator should know about
+        print(f"[reference fallback: {note}]", file=sys.stderr)
 
 
 class _Timings:
@@ -125,8 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = llm.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt = llm.encode_chat([{"role": "user", "content": prompt}])  # checked as llm.chat checks it
     [out] = llm.generate(prompt, params, on_output=stream)
     text = out.outputs[0].text
     sys.stdout.write(text[streamed:] + "\n")
@@ -136,34 +141,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """A chat session on the terminal (or one reply to the message given as an argument)."""
+    """A chat session on the terminal (or one reply to the message given as an argument), streamed;
+    see :mod:`plinth.chat_session`."""
+    from plinth.chat_session import ChatSession, run_interactive
+
     params = _params(args)
     llm = _llm(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    interactive = args.message is None
-    while True:
-        if interactive:
-            try:
-                line = input("you> ")
-            except EOFError:
-                print()
-                return 0
-            if not line.strip():
-                continue
-            if line.strip() in {"/exit", "/quit"}:
-                return 0
-        else:
-            line = args.message
-        messages.append({"role": "user", "content": line})
-        [out] = llm.chat(messages, params)
-        reply = out.outputs[0].text
-        print(("assistant> " if interactive else "") + reply)
-        messages.append({"role": "assistant", "content": reply})
-        if not interactive:
-            _report(llm, out)
-            return 0
+    session = ChatSession(llm, params, system=args.system)
+    if args.message is None:
+        llm.encode_chat([*session.messages, {"role": "user", "content": "hi"}])  # no template: say so now
+        return run_interactive(session)
+    reply = session.send(args.message)
+    if reply.output is None:  # Ctrl-C stopped it
+        return 130
+    _report(llm, reply.output)
+    return 0
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -199,7 +191,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
     failed = [p for p in host.plugins if p.error]
     for p in failed:
         print(f"plugin {p.name} ({p.dist_name} {p.dist_version}) failed: {p.error}")
-    if args.verbose:
+    if args.verbose_log:
         from plinth.hookspecs import PLUGIN_API_VERSION
 
         print(f"\nplugin API {PLUGIN_API_VERSION[0]}.{PLUGIN_API_VERSION[1]}; plugins:")
@@ -228,29 +220,92 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, unless the text names it already or there
+    is nothing to show (None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in text
+            or default is None
+            or default is False
+            or default == []
+            or default is argparse.SUPPRESS
+            or isinstance(action, argparse._VersionAction | argparse._HelpAction)
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The ``plinth`` parsers: every one (subcommands' too, through add_subparsers) shows defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """As argparse's; an option added without help still shows its default (argparse shows no
+        line at all for it otherwise)."""
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.help is None and action.default not in (None, False):
+            action.help = "default: %(default)s"
+        return action
+
+
+def _verbose_arg(p: argparse.ArgumentParser, top: bool = False) -> None:
+    # the subcommands' copies default to SUPPRESS: `plinth -v generate` keeps the top level's count
+    p.add_argument(
+        "-v",
+        "--verbose",
+        dest="verbose_log",
+        action="count",
+        default=0 if top else argparse.SUPPRESS,
+        help="log at INFO level (-vv: DEBUG), and print the traceback of an error",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``plinth`` command."""
-    parser = argparse.ArgumentParser(prog="plinth", description="LLM inference on pluggable hardware backends")
-    parser.add_argument("-v", "--verbose-log", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from plinth import __version__
 
-    gen = sub.add_parser("generate", help="complete a prompt")
+    parser = ArgumentParser(prog="plinth", description="LLM inference on pluggable hardware backends")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _verbose_arg(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="complete a prompt",
+        description="Complete a prompt; the text streams to stdout, speed to stderr.",
+    )
     _engine_args(gen)
     _sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--timings-json", default=None, help=argparse.SUPPRESS)  # for `plinth bench latency`
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the text to complete")
+    _verbose_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat with the model (interactive without MESSAGE)")
+    chat = sub.add_parser(
+        "chat",
+        help="chat with the model (interactive without MESSAGE)",
+        description="Chat with the model; replies stream as they are generated. Interactive without MESSAGE: "
+        "Ctrl-C stops a reply, Ctrl-C twice at the prompt, Ctrl-D or /exit quits; the oldest exchanges are "
+        "dropped when the conversation outgrows the context.",
+    )
     _engine_args(chat)
     _sampling_args(chat)
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("message", nargs="?", default=None)
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
+    chat.add_argument("message", nargs="?", default=None, help="one message to answer, then exit")
+    _verbose_arg(chat)
     chat.set_defaults(func=cmd_chat)
 
     backends = sub.add_parser("backends", help="list installed backends ranked by probe score")
-    backends.add_argument("--verbose", action="store_true", help="also list plugins, hooks and API versions")
+    _verbose_arg(backends)  # also lists plugins, hooks and API versions here
     backends.set_defaults(func=cmd_backends)
 
     from plinth.bench.serve import add_bench_serve_arguments
@@ -258,12 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic HTTP APIs")
     add_serve_arguments(serve)
+    _verbose_arg(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     bench_serve = bench_sub.add_parser("serve", help="load-test a running server (streaming)")
     add_bench_serve_arguments(bench_serve)
+    _verbose_arg(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
 
     from plinth.bench.latency import add_bench_latency_arguments, run_bench_latency
@@ -271,9 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_tp = bench_sub.add_parser("throughput", help="offline throughput on a fixed workload")
     add_bench_throughput_arguments(bench_tp)
+    _verbose_arg(bench_tp)
     bench_tp.set_defaults(func=run_bench_throughput)
     bench_lat = bench_sub.add_parser("latency", help="batch-1 decode speed, time to first token, cold start")
     add_bench_latency_arguments(bench_lat)
+    _verbose_arg(bench_lat)
     bench_lat.set_defaults(func=run_bench_latency)
 
     from plinth_conformance.cli import add_subcommands  # ships in this distribution
@@ -283,14 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``plinth`` command; returns the exit status."""
+    """Entry point of the ``plinth`` command; returns the exit status.
+
+    A user error (a bad option, path or request, an unreachable server) is one line on stderr and
+    status 2, its traceback only with ``-v``; Ctrl-C is status 130 without a traceback.
+    """
     args = build_parser().parse_args(argv)
     if args.func in (cmd_generate, cmd_chat, cmd_serve):
         pause_collector()  # until the engine is built (_llm, run_serve): start-up allocates what the process keeps
+    verbosity = args.verbose_log
     logging.basicConfig(
-        level=logging.INFO if args.verbose_log else logging.WARNING,
+        level=logging.DEBUG if verbosity > 1 else logging.INFO if verbosity else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from plinth.bench import BenchError
     from plinth.platform.backend import NotSupported
     from plinth.platform.host import BackendError
     from plinth.runtime.engine import InvalidRequest
@@ -299,14 +364,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except InvalidParameter as exc:  # before ValueError: it is one
-        print(f"plinth: invalid option: {exc}", file=sys.stderr)
+        _user_error(f"invalid option: {exc}", verbosity)
         return 2
-    except (BackendError, NotSupported, InvalidRequest, FileNotFoundError, ValueError) as exc:
-        # user errors (bad path, unsupported architecture, refused pickle, ...): a message, no traceback
-        print(f"plinth: error: {exc}", file=sys.stderr)
+    except (BackendError, NotSupported, InvalidRequest, BenchError, OSError, ValueError) as exc:
+        # user errors (bad path, unsupported architecture, refused pickle, unwritable output, ...)
+        _user_error(f"error: {exc}", verbosity)
         return 2
+    except KeyboardInterrupt:
+        print("\nplinth: interrupted", file=sys.stderr)
+        return 130
     finally:
         resume_collector()  # only if start-up failed before the engine was built
+
+
+def _user_error(message: str, verbosity: int) -> None:
+    if verbosity:
+        traceback.print_exc()
+    print(f"plinth: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,54 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
-    p.add_argument("--threads", type=int, default=None, help="host threads for CPU kernels")
+    p.add_argument(
+        "--threads", type=int, default=None, help="host threads for CPU kernels (default: the backend's choice)"
+    )
     p.add_argument("--quantization", choices=("auto", "none", "int8"), default="auto", help=QUANTIZATION_HELP)
     p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly: no step graphs for decode steps (see docs/architecture.md)",
     )
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a bad value is a usage error naming the option)."""
+    return _at_least(int, text, 1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (``inf`` included)."""
+    value = _number(float, text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
+    return value
+
+
+def int_at_least(low: int) -> Any:
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        return _at_least(int, text, low)
+
+    parse.__name__ = "int"  # argparse names the type in its message
+    return parse
+
+
+def _number(kind: type[int] | type[float], text: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+
+
+def _at_least(kind: type[int], text: str, low: int) -> int:
+    value = _number(kind, text)
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {text!r}")
+    return int(value)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

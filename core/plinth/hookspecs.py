@@ -1,5 +1,6 @@
 # mypy: disable-error-code="empty-body"
-"""The plinth plugin contract.
+"""The plinth plugin contract: every hook, the plugin API version and its history, and the list of
+objects a plugin touches. A vendor reads this module first.
 
 Every hook a backend plugin may implement is specified here, and only here. A plugin is a module (or
 object) found through the ``plinth.backends`` entry-point group; the built-in reference backend is
@@ -9,11 +10,69 @@ Hooks are resolved once, when the engine starts or a model loads; they are never
 per-token loop. What a hook hands back are plain objects (:class:`plinth.platform.Backend`, kernel
 objects) whose methods the step loop calls directly.
 
-Versioning: :data:`PLUGIN_API_VERSION` is ``(major, minor)``. A plugin declares the version it was
-written against (``Backend.api_version``). A different major is rejected with a message naming the
-plugin; a smaller minor is accepted. New arguments are only ever *added* to a hook: pluggy passes an
-implementation only the arguments it names, so an old implementation keeps working. A hook is never
+Versioning
+----------
+
+:data:`PLUGIN_API_VERSION` is ``(major, minor)``. A plugin declares the version it was written
+against (``Backend.api_version``). A different major is rejected with a message naming the plugin,
+and so is a minor newer than this plinth's; an older minor is accepted. A minor only adds, each
+addition with a default that keeps older plugins correct. New arguments are only ever *added* to a
+hook: the plugin host calls every hook through pluggy, which passes an implementation only the
+arguments it names, so an implementation of an older signature keeps working. A hook is never
 renamed in place.
+
+Each contract object's docstring carries ``.. versionadded::`` for itself, and each member added or
+changed after the object carries its own ``versionadded``/``versionchanged`` (fields: in their
+``#:`` comment). :data:`API_HISTORY` below is the summary; the markers are the detail.
+
+The contract objects
+--------------------
+
+:data:`CONTRACT` names every object a plugin implements, subclasses, returns or receives:
+
+- torch-free value objects, :mod:`plinth.platform.values` (re-exported by
+  :mod:`plinth.platform.backend`): ``NotSupported``, ``Probe``, ``KVCacheLayout``,
+  ``AttentionSpec``, ``Capabilities``;
+- what a backend implements, :mod:`plinth.platform.backend`: ``Backend``, ``DeviceServices``,
+  ``AttentionKernels`` (receiving ``AttentionMetadata``), ``GemmKernels`` (returning
+  ``LinearWeight``), ``SmallOps``, ``GraphCapture``, ``StepGraph``, ``KernelProvider``, and the
+  helpers ``torch_dtype``/``dtype_name``;
+- quantized weights a GEMM may receive, :mod:`plinth.platform.quant`: ``QuantizedWeight``,
+  ``dequantize``;
+- the reference kernels a starter plugin subclasses, :mod:`plinth.platform.reference`:
+  ``ReferenceAttention``, ``ReferenceGemm``.
+
+Version history
+---------------
+
+=====  ===========================================================================================
+API    adds / changes
+=====  ===========================================================================================
+1.0    the hooks ``plinth_register_backends`` and ``plinth_register_kernels(backend_name)``;
+       ``Backend``, ``Capabilities``, ``Probe``, ``AttentionSpec``, ``KVCacheLayout``,
+       ``NotSupported``, ``DeviceServices`` (``memory_info``, ``synchronize``, ``default_dtype``),
+       ``AttentionKernels`` (``write_kv``, ``forward``, ``copy_blocks``), ``AttentionMetadata``,
+       ``GemmKernels`` (``prepare``, ``linear``), ``LinearWeight``, ``SmallOps`` (``rms_norm``,
+       ``silu_and_mul``, ``rotary``), ``KernelProvider``
+1.1    quantized weights: ``Capabilities.quant_formats``, ``GemmKernels.prepare_quantized``
+       (default: dequantize, then ``prepare``), ``QuantizedWeight``; ``SmallOps.add_rms_norm``
+       (default: add, then ``rms_norm``)
+1.2    step graphs: ``DeviceServices.begin_graph_capture`` -> ``GraphCapture`` (``finish``,
+       ``cancel``, ``kernels_only``) -> ``StepGraph.replay`` (default: None, every step eager)
+1.3    ``StepGraph.replay_rows(rows, captured)``: replay a bucket's first ``rows`` only (default:
+       ``replay()``, every row)
+1.4    ``plinth_register_kernels`` gains ``backend`` (the selected ``Backend`` object); the host
+       calls every hook through pluggy, so implementations of older signatures keep working;
+       the value objects import without torch from :mod:`plinth.platform.values`;
+       ``DeviceServices.compile`` removed (the core never called it: an override is now simply
+       unused); ``DeviceServices.synchronize`` documented with its callers;
+       ``AttentionMetadata.from_lengths`` (the one constructor of a varlen batch's metadata);
+       ``SmallOps.argmax`` (the sampler's greedy pick, default torch's); ``DeviceServices.
+       set_num_threads`` (``--threads``; default torch's intra-op count) and ``read_probes``
+       (``plinth bench latency``'s bandwidth limit; default torch's ``sum``);
+       ``Backend.allocate_kv_cache(..., prefault=)`` (default: zero-filled, so every page is
+       touched anyway)
+=====  ===========================================================================================
 """
 
 from __future__ import annotations
@@ -30,14 +89,60 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 3)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 4)
+
+#: One line per minor: what it added or changed (the module docstring's table, as data, for the
+#: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
+API_HISTORY: dict[tuple[int, int], str] = {
+    (1, 0): "the two hooks; Backend, Capabilities, Probe, AttentionSpec, KVCacheLayout, NotSupported, "
+    "DeviceServices, AttentionKernels, AttentionMetadata, GemmKernels, LinearWeight, SmallOps, KernelProvider",
+    (1, 1): "quantized weights (Capabilities.quant_formats, GemmKernels.prepare_quantized); SmallOps.add_rms_norm",
+    (1, 2): "step graphs: DeviceServices.begin_graph_capture -> GraphCapture -> StepGraph",
+    (1, 3): "StepGraph.replay_rows",
+    (1, 4): "plinth_register_kernels(backend); hooks called through pluggy; torch-free plinth.platform.values; "
+    "DeviceServices.compile removed; AttentionMetadata.from_lengths, SmallOps.argmax, "
+    "DeviceServices.set_num_threads and read_probes, Backend.allocate_kv_cache(prefault=)",
+}
+
+#: Every object a plugin implements, subclasses, returns or receives, by dotted name.
+CONTRACT: tuple[str, ...] = (
+    "plinth.hookspecs.plinth_register_backends",
+    "plinth.hookspecs.plinth_register_kernels",
+    "plinth.platform.values.NotSupported",
+    "plinth.platform.values.Probe",
+    "plinth.platform.values.KVCacheLayout",
+    "plinth.platform.values.AttentionSpec",
+    "plinth.platform.values.Capabilities",
+    "plinth.platform.backend.Backend",
+    "plinth.platform.backend.DeviceServices",
+    "plinth.platform.backend.AttentionKernels",
+    "plinth.platform.backend.AttentionMetadata",
+    "plinth.platform.backend.GemmKernels",
+    "plinth.platform.backend.LinearWeight",
+    "plinth.platform.backend.SmallOps",
+    "plinth.platform.backend.GraphCapture",
+    "plinth.platform.backend.StepGraph",
+    "plinth.platform.backend.KernelProvider",
+    "plinth.platform.backend.torch_dtype",
+    "plinth.platform.backend.dtype_name",
+    "plinth.platform.quant.QuantizedWeight",
+    "plinth.platform.quant.dequantize",
+    "plinth.platform.reference.ReferenceAttention",
+    "plinth.platform.reference.ReferenceGemm",
+)
+
+
+def api_version_string(version: tuple[int, int] = PLUGIN_API_VERSION) -> str:
+    """``"1.4"`` for ``(1, 4)``: how docs, the template and ``plinth backends`` write a version."""
+    return f"{version[0]}.{version[1]}"
+
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 # -------------------------------------------------------------------------------------------------
-# Discovery: called once when the plugin host starts.
+# Discovery: called once per plugin when the plugin host starts.
 # -------------------------------------------------------------------------------------------------
 
 
@@ -45,8 +150,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def plinth_register_backends() -> Sequence[Backend]:
     """Return the backends this plugin provides.
 
-    Called by the plugin host once, right after every entry point of the ``plinth.backends`` group
-    has been loaded, one plugin at a time (so an error is attributed to the plugin that raised it).
+    Called by the plugin host once per plugin, right after that plugin's entry point has been
+    loaded and registered, one plugin at a time (so an error is attributed to the plugin that
+    raised it; the other plugins still load).
 
     :return: a sequence of :class:`plinth.platform.Backend` objects, usually one. Each backend's
         ``name`` must be unique across all installed plugins; its ``api_version`` is checked against
@@ -60,18 +166,35 @@ def plinth_register_backends() -> Sequence[Backend]:
     """
 
 
+# -------------------------------------------------------------------------------------------------
+# Kernel resolution: called once per engine, after selection.
+# -------------------------------------------------------------------------------------------------
+
+
 @hookspec
-def plinth_register_kernels(backend_name: str) -> Sequence[KernelProvider]:
+def plinth_register_kernels(backend_name: str, backend: Backend) -> Sequence[KernelProvider]:
     """Contribute attention or GEMM kernels to an existing backend.
 
-    Called by the plugin host once per selected backend, when the engine builds its kernels. A
-    kernel plugin (say, a faster attention for the ``cpu`` backend) returns providers whose
+    Called by the plugin host once per engine, after selection and before the engine resolves its
+    kernels (``PluginHost.kernel_providers``), one plugin at a time: a plugin whose implementation
+    raises is reported with its name and contributes nothing; the engine still starts. A kernel
+    plugin (say, a faster attention for the ``cpu`` backend) returns providers whose
     ``backend_name`` matches; every other plugin returns an empty sequence (or does not implement
     the hook).
 
     :param backend_name: the name of the backend the engine selected.
-    :return: kernel providers. Among the backend's own kernels and the providers that declare the
-        requested case supported, the one with the highest ``priority`` is used.
+    :param backend: that backend's object, so a provider can build its kernels for the backend's
+        device (``backend.device_services().device``) and check its version or capabilities.
+    :return: :class:`plinth.platform.backend.KernelProvider` objects; any whose ``backend_name``
+        differs is dropped. For each op, the providers with ``priority`` above 0 are asked first,
+        highest first; then the backend's own kernels (priority 0); then, only where the backend
+        raises ``NotSupported``, the remaining providers. See :func:`plinth.platform.kernels.resolve_kernels`.
+
+    The implementation must be cheap and must not build kernels yet: the providers' factories are
+    asked per case when the model loads. It must not modify ``backend``.
 
     .. versionadded:: 1.0
+    .. versionchanged:: 1.4
+        ``backend``: the selected backend's object. Implementations taking only ``backend_name``
+        keep working (pluggy passes each implementation only the arguments it names).
     """

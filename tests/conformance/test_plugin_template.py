@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from plinth.cli import main
+from plinth.hookspecs import PLUGIN_API_VERSION
 from plinth_conformance.template import render_plugin
 
 
@@ -59,7 +60,12 @@ def test_plugin_new_renders_a_complete_package(tmp_path: Path, capsys: pytest.Ca
     workflow = (dest / ".github/workflows/conformance.yml").read_text()
     assert "self-hosted" in workflow and "plinth conformance --backend acme_npu --tier all" in workflow
     assert "${{ github.sha }}" in workflow  # GitHub's own expressions survive the jinja rendering
-    assert "class AcmeNpuBackend(Backend)" in (dest / "plinth_acme_npu/backend.py").read_text()
+    backend_py = (dest / "plinth_acme_npu/backend.py").read_text()
+    assert "class AcmeNpuBackend(Backend)" in backend_py
+    # the rendered plugin declares the API of the plinth that rendered it, taken from the contract
+    major, minor = PLUGIN_API_VERSION
+    assert f"    api_version = ({major}, {minor})\n" in backend_py
+    assert f"plugin_api_version: '{major}.{minor}'" in answers
     with pytest.raises(ValueError, match="already exists"):
         render_plugin("acme_npu", tmp_path)
     with pytest.raises(ValueError, match="lowercase"):

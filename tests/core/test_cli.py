@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import subprocess
@@ -11,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from plinth.cli import main
+import plinth
+from plinth.cli import build_parser, main
+
+# the tiny-model helpers live beside the engine's tests
+ENGINE_TESTS = str(Path(__file__).parent / "runtime" / "engine")
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +62,7 @@ def test_invalid_sampling_option_names_the_field(capsys: pytest.CaptureFixture[s
 
 
 def test_generate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    sys.path.insert(0, ENGINE_TESTS)
     from engine_helpers import save_tiny_folder
 
     save_tiny_folder("llama", tmp_path)
@@ -72,7 +77,7 @@ def test_generate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_generate_pauses_the_gc_for_start_up_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    sys.path.insert(0, ENGINE_TESTS)
     from engine_helpers import save_tiny_folder
 
     import plinth.llm
@@ -95,7 +100,7 @@ def test_generate_pauses_the_gc_for_start_up_only(
 
 
 def test_generate_writes_start_up_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    sys.path.insert(0, ENGINE_TESTS)
     from engine_helpers import save_tiny_folder
 
     save_tiny_folder("llama", tmp_path)
@@ -108,6 +113,62 @@ def test_generate_writes_start_up_timings(tmp_path: Path, capsys: pytest.Capture
     assert set(report["engine_phases"]) == {"backend", "weights", "tokenizer", "kv_cache"}
     assert all(v >= 0 for v in report["engine_phases"].values())
     assert "--timings-json" not in capsys.readouterr().out  # a hidden option: nothing else changes
+
+
+def test_version_and_python_dash_m(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc_info:
+        main(["--version"])
+    assert exc_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"plinth {plinth.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "plinth", "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"plinth {plinth.__version__}", proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "plinth", "bench", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "usage: plinth bench" in proc.stdout
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "plinth") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    checked = 0
+    for path, parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            checked += 1
+            name = f"{path} {action.option_strings[-1]}"
+            assert action.help and action.help.strip(), f"{name} has no help"
+            if action.default not in (None, False, [], argparse.SUPPRESS) and not isinstance(
+                action, argparse._VersionAction | argparse._HelpAction
+            ):
+                assert "default" in str(formatter._get_help_string(action)), f"{name} does not show its default"
+        if path not in ("plinth bench", "plinth conformance", "plinth plugin", "plinth plugin new"):
+            assert "--verbose" in parser.format_help(), f"{path} has no -v/--verbose"
+    assert checked > 80
+
+
+def test_verbose_logs_and_shows_the_traceback_of_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "/no/such/model", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "/no/such/model" in err and "Traceback" not in err
+    for argv in (
+        ["-v", "generate", "--model", "/no/such/model", "hi"],
+        ["generate", "-v", "--model", "/no/such/model", "hi"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith("plinth: error:")
+    args = build_parser().parse_args(["-vv", "backends"])
+    assert args.verbose_log == 2  # -vv: DEBUG; the subcommand's own -v did not reset the count
+    assert build_parser().parse_args(["backends", "--verbose"]).verbose_log == 1
 
 
 @pytest.mark.slow

@@ -42,8 +42,6 @@ _PLUGIN_STRING = re.compile(rf"^plinth_(?:{'|'.join(BACKEND_NAMES)}|triton|ipex)
 ALLOWED: dict[tuple[str, str], str] = {
     # torch's name for host memory, defined once; every other core module uses HOST.
     ("platform/devices.py", "string 'cpu'"): "host memory, not the cpu backend",
-    # removed by the seams branch (the sampler's argmax becomes an op the backend may override).
-    ("runtime/sampler.py", "string 'cpu'"): "removed by the seams branch",
 }
 
 

@@ -30,25 +30,11 @@ def machine_roofline(plinth_backend: Backend, plinth_state: SuiteState) -> dict[
     return plinth_state.roofline
 
 
-def _contiguous_meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+def _contiguous_meta(q_lens: list[int], seq_lens: list[int], device: torch.device) -> AttentionMetadata:
     """Sequence i owns pages ``i * pages_per_seq ...``; layout does not matter for timing."""
     per_seq = math.ceil(max(seq_lens) / BLOCK)
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-    slots = [
-        i * per_seq * BLOCK + p for i, (q, s) in enumerate(zip(q_lens, seq_lens, strict=True)) for p in range(s - q, s)
-    ]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.arange(len(q_lens) * per_seq, dtype=torch.int32).view(len(q_lens), per_seq),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
-    )
+    tables = torch.arange(len(q_lens) * per_seq, dtype=torch.int32).view(len(q_lens), per_seq)
+    return AttentionMetadata.from_lengths(q_lens, seq_lens, tables, block_size=BLOCK, device=device)
 
 
 def test_perf(
@@ -66,20 +52,10 @@ def test_perf(
     if case.name in ("decode-attention", "prefill-attention", "kv-write"):
         kernels = declared_attention(plinth_backend, spec, case.id)
         q_lens, seq_lens = ([1] * SEQS, [KV_LEN] * SEQS) if case.name != "prefill-attention" else ([KV_LEN], [KV_LEN])
-        meta = _contiguous_meta(q_lens, seq_lens)
+        meta_dev = _contiguous_meta(q_lens, seq_lens, dev)
         cache = plinth_backend.allocate_kv_cache(spec, len(q_lens) * math.ceil(KV_LEN / BLOCK))
         cache.normal_()
         tokens = sum(q_lens)
-        meta_dev = AttentionMetadata(
-            meta.query_start_loc.to(dev),
-            meta.seq_lens.to(dev),
-            meta.block_tables.to(dev),
-            meta.slot_mapping.to(dev),
-            meta.max_query_len,
-            meta.max_seq_len,
-            meta.query_lens_host,
-            meta.seq_lens_host,
-        )
         if case.name == "kv-write":
             key = torch.randn(SEQS * 32, KV_HEADS, HEAD_SIZE, device=dev)
             slots = torch.arange(SEQS * 32, dtype=torch.int64, device=dev)

@@ -48,9 +48,9 @@ def sharegpt(path: str | Path, tokenizer: Any, num_requests: int, max_prompt_len
     turn is the prompt, the length of the first model turn (in tokens) is the output length."""
     data = json.loads(Path(path).read_text())
     requests: list[BenchRequest] = []
-    for item in data:
-        turns = item.get("conversations") or item.get("conversation") or []
-        if len(turns) < 2:
+    for item in data if isinstance(data, list) else []:
+        turns = (item.get("conversations") or item.get("conversation")) if isinstance(item, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, dict) for t in turns[:2]):
             continue
         prompt_ids = tokenizer.encode(str(turns[0].get("value", "")))
         output_len = len(tokenizer.encode(str(turns[1].get("value", "")), add_special_tokens=False))

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from plinth.engine_args import add_engine_arguments, engine_options
+from plinth.bench import BenchError, output_path
+from plinth.engine_args import add_engine_arguments, engine_options, int_at_least, positive_int
 
 if TYPE_CHECKING:
     from plinth.platform.backend import DeviceServices
@@ -22,11 +23,12 @@ if TYPE_CHECKING:
 def add_bench_latency_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``plinth bench latency``."""
     add_engine_arguments(p)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--input-len", type=positive_int, default=32, help="prompt tokens (random ids)")
+    # two tokens at least: decode speed is measured after the first one
+    p.add_argument("--output-len", type=int_at_least(2), default=128, help="tokens to generate")
+    p.add_argument("--iters", type=positive_int, default=3, help="measured runs (after one warm-up run)")
     p.add_argument("--no-cold-start", action="store_true", help="skip the cold-start measurement")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None, help="write the results to this JSON file (default: none)")
 
 
 def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> dict[str, Any]:
@@ -152,7 +154,12 @@ def measure_cold_start(model: str | None, backend: str | None) -> dict[str, Any]
         if backend:
             cmd += ["--backend", backend]
         t0 = time.time()
-        subprocess.run(cmd, check=True, capture_output=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-3:]
+            raise BenchError(
+                f"the cold-start run `{' '.join(cmd)}` failed (status {proc.returncode}): {' / '.join(tail)}"
+            )
         with open(path) as f:
             report = json.load(f)
     marks, engine = report["marks"], report["engine_phases"]
@@ -177,6 +184,8 @@ def run_bench_latency(args: argparse.Namespace) -> int:
     result = measure_latency(llm, args.input_len, args.output_len, args.iters)
     if not args.no_cold_start:
         result.update(measure_cold_start(args.model, args.backend))
+    # ops that ran on the reference kernel: figures measured with any are not the backend's
+    result["kernel_fallbacks"] = list(llm.engine.kernels.fallbacks)
     line = (
         f"{result['backend']}: batch-1 decode {result['decode_tok_s']:.1f} tok/s "
         f"({args.input_len}-token prompt, {args.output_len} tokens), time to first token {result['ttft_s']:.3f} s"
@@ -192,6 +201,7 @@ def run_bench_latency(args: argparse.Namespace) -> int:
         f"{result['decode_tok_s_runs']} tok/s, each against the probes just before and after it: "
         f"{result['read_probe_gbps_runs']} GB/s)"
     )
+    line += "".join(f"\n  reference fallback: {note}" for note in result["kernel_fallbacks"])
     print(line)
     if args.json:
         with open(args.json, "w") as f:

@@ -31,19 +31,38 @@ _WORDS = (
 
 def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``plinth bench serve``."""
+    from plinth.bench import output_path
+    from plinth.engine_args import positive_float, positive_int
+
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="/v1/completions or /v1/chat/completions",
+    )
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--api-key", default=None, help="bearer key (default: $PLINTH_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=None, help="requests in flight at most (default: all)")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--num-prompts", type=positive_int, default=32, help="requests to send")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="requests in flight at most (default: all)")
+    p.add_argument(
+        "--request-rate",
+        type=positive_float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default: all at once)",
+    )
     p.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic prompts)")
-    p.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
-    p.add_argument("--output-len", type=int, default=64, help="output tokens (ignore_eos is sent)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
+    p.add_argument("--input-len", type=positive_int, default=128, help="synthetic prompt tokens")
+    p.add_argument("--output-len", type=positive_int, default=64, help="output tokens (ignore_eos is sent)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and arrival times")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--json",
+        dest="json_out",
+        type=output_path,
+        default=None,
+        help="write the results to this JSON file (default: none)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -151,16 +170,23 @@ async def _prompts(client: Any, args: argparse.Namespace) -> list[tuple[str, int
     """(prompt, max_tokens) pairs: synthetic, or from a ShareGPT file."""
     rng = random.Random(args.seed)
     if args.dataset:
+        from plinth.bench import BenchError
+
         with open(args.dataset, encoding="utf-8") as f:
             data = json.load(f)
         pairs = []
-        for item in data:
-            turns = item.get("conversations") or []
-            if len(turns) >= 2 and turns[0].get("value"):
-                pairs.append((turns[0]["value"], args.output_len))
+        for item in data if isinstance(data, list) else []:
+            turns = item.get("conversations") if isinstance(item, dict) else None
+            if isinstance(turns, list) and len(turns) >= 2 and isinstance(turns[0], dict):
+                value = turns[0].get("value")
+                if value and isinstance(value, str):
+                    pairs.append((value, args.output_len))
         rng.shuffle(pairs)
         if not pairs:
-            raise SystemExit(f"no conversations found in {args.dataset}")
+            raise BenchError(
+                f"{args.dataset}: no usable ShareGPT conversations "
+                '(expected a list of {"conversations": [{"value": ...}, ...]} with two turns or more)'
+            )
         return [pairs[i % len(pairs)] for i in range(args.num_prompts)]
 
     def text(i: int, n_words: int) -> str:
@@ -168,9 +194,35 @@ async def _prompts(client: Any, args: argparse.Namespace) -> list[tuple[str, int
 
     # calibrate words per token with the server's tokenizer
     resp = await client.post(f"{args.url}/tokenize", json={"prompt": text(0, args.input_len)})
-    ratio = args.input_len / max(resp.json()["count"], 1) if resp.status_code == 200 else 1.0
+    count = _json_field(resp, "count") if resp.status_code == 200 else None
+    ratio = args.input_len / max(count, 1) if isinstance(count, int) else 1.0  # no /tokenize: 1 word ~ 1 token
     n_words = max(1, round(args.input_len * ratio) - 2)
     return [(text(i, n_words), args.output_len) for i in range(args.num_prompts)]
+
+
+def _json_field(resp: Any, key: str) -> Any:
+    """``resp.json()[key]``, or None when the body is not a JSON object holding it."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return None
+    return body.get(key) if isinstance(body, dict) else None
+
+
+async def _first_model(client: Any, url: str) -> str:
+    """The id of the first model ``GET /v1/models`` lists (--model's default)."""
+    from plinth.bench import BenchError
+
+    resp = await client.get(f"{url}/v1/models")
+    if resp.status_code != 200:
+        hint = " (give its key with --api-key or $PLINTH_API_KEY)" if resp.status_code == 401 else ""
+        raise BenchError(f"GET {url}/v1/models answered HTTP {resp.status_code}{hint}: {resp.text[:200]}")
+    data = _json_field(resp, "data")
+    if not (isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str)):
+        raise BenchError(
+            f"GET {url}/v1/models did not list a model (is {url} an OpenAI-compatible server?); give --model"
+        )
+    return data[0]["id"]
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,9 +239,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         model = args.model
         if model is None:
-            resp = await client.get(f"{args.url}/v1/models")
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
+            model = await _first_model(client, args.url)
         prompts = await _prompts(client, args)
         path = "/v1/completions" if args.endpoint == "completions" else "/v1/chat/completions"
         url = f"{args.url}{path}"
@@ -263,12 +313,20 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """Entry point of ``plinth bench serve``; 1 when any request failed."""
-    if args.num_prompts < 1 or (args.concurrency is not None and args.concurrency < 1):
-        print("plinth bench serve: --num-prompts and --concurrency must be >= 1", file=sys.stderr)
-        return 2
     import asyncio
 
-    summary = asyncio.run(bench(args))
+    import httpx
+
+    from plinth.bench import BenchError
+
+    try:
+        summary = asyncio.run(bench(args))
+    except httpx.InvalidURL as exc:
+        raise BenchError(f"--url {args.url!r} is not a URL: {exc}") from exc
+    except httpx.UnsupportedProtocol as exc:
+        raise BenchError(f"--url {args.url!r} must start with http:// or https://") from exc
+    except httpx.TransportError as exc:  # only the set-up requests: a failed benchmark request is a result
+        raise BenchError(f"cannot reach the server at {args.url}: {type(exc).__name__}: {exc}") from exc
     print(format_summary(summary))
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:

@@ -48,6 +48,37 @@ class ChatTemplateError(ValueError):
     """The model has no chat template, or rendering it failed (including ``raise_exception``)."""
 
 
+class InvalidText(ValueError):
+    """Text the tokenizer cannot take: it holds a lone UTF-16 surrogate (``"\\ud800"``), which is no
+    Unicode character (JSON's ``\\ud800`` escape and Python strings allow it, UTF-8 does not)."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# above this many characters (ids), encode (decode) goes through the batch call, which releases the
+# GIL: a 7 MB prompt otherwise holds it for ~17 s, freezing every other thread (the server's event loop)
+_RELEASE_GIL_AT = 1 << 16
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def find_lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text``, or None when it is valid Unicode."""
+    if text.isascii():
+        return None
+    m = _SURROGATE.search(text)
+    return m.start() if m else None
+
+
+def check_text(text: str) -> str:
+    """``text`` itself; :class:`InvalidText` when it holds a lone surrogate."""
+    i = find_lone_surrogate(text)
+    if i is not None:
+        raise InvalidText(
+            f"the text holds a lone surrogate (U+{ord(text[i]):04X}) at character {i}, which is not valid "
+            "Unicode; send UTF-8 text (in JSON, a \\uD800-\\uDFFF escape must be half of a pair)"
+        )
+    return text
+
+
 # -- chat templates ----------------------------------------------------------------------------------
 
 
@@ -112,6 +143,7 @@ class Tokenizer:
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.name = name
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._prepend_bos = (
             add_bos
             and bos_token_id is not None
@@ -194,8 +226,21 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. as the model expects."""
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS etc. as the model expects.
+
+        :raises InvalidText: ``text`` holds a lone surrogate.
+        :raises TypeError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"the text to tokenize must be a str, not {type(text).__name__}")
+        try:
+            if len(text) > _RELEASE_GIL_AT:
+                ids: list[int] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            else:
+                ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the backend's only complaint about a str: it is not valid Unicode
+            check_text(text)
+            raise
         if add_special_tokens and self._prepend_bos:
             assert self.bos_token_id is not None
             ids.insert(0, self.bos_token_id)
@@ -203,7 +248,31 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; incomplete UTF-8 sequences decode to U+FFFD."""
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        ids = list(ids)
+        if len(ids) > _RELEASE_GIL_AT:
+            return str(self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for, also when they are part of a UTF-8 character
+        (an emoji or CJK character split over tokens, where :meth:`decode` gives U+FFFD)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            inverse = _byte_alphabet_inverse()
+            if all(c in inverse for c in piece):
+                return bytes(inverse[c] for c in piece)
+            return piece.encode("utf-8")  # an added token written as text (one with a space, say)
+        m = _BYTE_TOKEN.fullmatch(piece)  # SentencePiece byte fallback: <0xE2>
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def token_string(self, token_id: int) -> str:
+        """The token as the OpenAI API shows it: its text, with the bytes that are no whole UTF-8
+        character written as ``\\xNN`` (``"\\xf0\\x9f\\x98"`` for the first 3 bytes of an emoji)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token string, or None."""
@@ -334,6 +403,12 @@ def _byte_alphabet() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet_inverse() -> dict[str, int]:
+    """Printable character -> byte: the inverse of :func:`_byte_alphabet`."""
+    return {c: b for b, c in _byte_alphabet().items()}
 
 
 @lru_cache(maxsize=1)

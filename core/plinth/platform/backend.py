@@ -1,8 +1,11 @@
-"""The objects a backend hands to the core: probe results, capabilities and kernels.
+"""The tensor-facing half of the contract: the backend, its device services and its kernels.
 
 A plugin's ``plinth_register_backends`` hook returns :class:`Backend` objects. After selection the
 engine holds plain kernel objects (:class:`AttentionKernels`, :class:`GemmKernels`,
 :class:`SmallOps`) and calls their methods in the step loop; no hook is called per token.
+
+The list of contract objects and the version history are in :mod:`plinth.hookspecs`; each object
+here carries ``versionadded`` for itself and for each member added after it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,32 @@ from typing import Any, ClassVar
 
 import torch
 
+from plinth.platform.devices import HOST
 from plinth.platform.quant import QuantizedWeight, dequantize
+
+# The torch-free value objects live in plinth.platform.values (discovery imports them without
+# torch); re-exported here because plugins have always imported them from this module.
+from plinth.platform.values import AttentionSpec, Capabilities, KVCacheLayout, NotSupported, Probe
+
+__all__ = [
+    "AttentionKernels",
+    "AttentionMetadata",
+    "AttentionSpec",
+    "Backend",
+    "Capabilities",
+    "DeviceServices",
+    "GemmKernels",
+    "GraphCapture",
+    "KVCacheLayout",
+    "KernelProvider",
+    "LinearWeight",
+    "NotSupported",
+    "Probe",
+    "SmallOps",
+    "StepGraph",
+    "dtype_name",
+    "torch_dtype",
+]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -25,7 +53,10 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """Map a dtype name used in capabilities and configs ("float32", ...) to a torch dtype."""
+    """Map a dtype name used in capabilities and configs ("float32", ...) to a torch dtype.
+
+    .. versionadded:: 1.0
+    """
     try:
         return _DTYPES[name]
     except KeyError:
@@ -33,119 +64,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The inverse of :func:`torch_dtype`."""
+    """The inverse of :func:`torch_dtype`.
+
+    .. versionadded:: 1.0
+    """
     for name, value in _DTYPES.items():
         if value == dtype:
             return name
     raise ValueError(f"unsupported torch dtype {dtype}")
-
-
-class NotSupported(Exception):
-    """A backend cannot run the requested case. The message names the backend and the reason."""
-
-    def __init__(self, backend: str, what: str, reasons: list[str] | str) -> None:
-        self.backend = backend
-        self.what = what
-        self.reasons = [reasons] if isinstance(reasons, str) else list(reasons)
-        super().__init__(f"backend {backend!r} does not support {what}: " + "; ".join(self.reasons))
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """A backend's answer to "can you run here, and how well?".
-
-    ``score`` 0 means unusable; otherwise the highest score wins selection. ``reasons`` say why, in
-    words an operator can act on. ``emulation`` is true when the backend runs its code on a device it
-    was not written for (for example Gaudi ops on the CPU): usable for tests, never a certification.
-    """
-
-    score: int
-    reasons: tuple[str, ...] = ()
-    device_name: str = ""
-    emulation: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheLayout:
-    """The layout of one layer's KV cache tensor, described by named dimensions.
-
-    ``dims`` orders the names ``kv`` (2: key, value), ``num_blocks``, ``block_size``,
-    ``num_kv_heads`` and ``head_size`` as the tensor stores them.
-    """
-
-    dims: tuple[str, ...] = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
-
-    def shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """The tensor shape for the given sizes."""
-        sizes = {
-            "kv": 2,
-            "num_blocks": num_blocks,
-            "block_size": block_size,
-            "num_kv_heads": num_kv_heads,
-            "head_size": head_size,
-        }
-        return tuple(sizes[d] for d in self.dims)
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionSpec:
-    """Everything about one attention layer that decides whether a backend can run it."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    block_size: int
-    dtype: str = "float32"
-    kv_cache_dtype: str = "float32"
-    sliding_window: int | None = None
-    logits_soft_cap: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Capabilities:
-    """What a backend declares it supports. The core asks before it builds; the conformance suite
-    checks every declared case runs and every undeclared one raises :class:`NotSupported`."""
-
-    dtypes: frozenset[str]
-    kv_cache_dtypes: frozenset[str]
-    head_sizes: frozenset[int]
-    block_sizes: tuple[int, ...]
-    max_gqa_ratio: int | None = None  # None: any ratio num_heads / num_kv_heads
-    features: frozenset[str] = frozenset()  # "sliding_window", "logits_soft_cap"
-    quant_formats: frozenset[str] = frozenset()
-    kv_cache_layout: KVCacheLayout = field(default_factory=KVCacheLayout)
-
-    def unsupported(self, spec: AttentionSpec) -> list[str]:
-        """Reasons ``spec`` cannot run on this backend; empty when it can."""
-        reasons = []
-        if spec.dtype not in self.dtypes:
-            reasons.append(f"dtype {spec.dtype} (supported: {sorted(self.dtypes)})")
-        if spec.kv_cache_dtype not in self.kv_cache_dtypes:
-            reasons.append(f"kv cache dtype {spec.kv_cache_dtype} (supported: {sorted(self.kv_cache_dtypes)})")
-        if spec.head_size not in self.head_sizes:
-            reasons.append(f"head size {spec.head_size} (supported: {sorted(self.head_sizes)})")
-        if spec.block_size not in self.block_sizes:
-            reasons.append(f"block size {spec.block_size} (supported: {list(self.block_sizes)})")
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"{spec.num_heads} query heads not a multiple of {spec.num_kv_heads} kv heads")
-        elif self.max_gqa_ratio is not None and spec.num_heads // spec.num_kv_heads > self.max_gqa_ratio:
-            reasons.append(f"GQA ratio {spec.num_heads // spec.num_kv_heads} > {self.max_gqa_ratio}")
-        if spec.sliding_window is not None and "sliding_window" not in self.features:
-            reasons.append("sliding window attention")
-        if spec.logits_soft_cap is not None and "logits_soft_cap" not in self.features:
-            reasons.append("logits soft-cap")
-        return reasons
-
-    def require_attention(self, backend: str, spec: AttentionSpec) -> None:
-        """Raise :class:`NotSupported` (naming ``backend`` and every reason) unless ``spec`` is declared."""
-        reasons = self.unsupported(spec)
-        if reasons:
-            raise NotSupported(backend, "attention", reasons)
-
-    def require_gemm(self, backend: str, dtype: str) -> None:
-        """Raise :class:`NotSupported` unless GEMM in ``dtype`` is declared."""
-        if dtype not in self.dtypes:
-            raise NotSupported(backend, f"GEMM in {dtype}", f"supported: {sorted(self.dtypes)}")
 
 
 @dataclass(slots=True)
@@ -157,6 +83,8 @@ class AttentionMetadata:
     ``seq_lens[i]`` kv tokens (whose K/V are already written to the cache when ``forward`` runs),
     so query token ``j`` of sequence ``i`` sits at position ``seq_lens[i] - query_len + j`` and
     attends causally to kv positions ``<=`` its own.
+
+    .. versionadded:: 1.0
     """
 
     query_start_loc: torch.Tensor  # [B+1] int32
@@ -173,9 +101,78 @@ class AttentionMetadata:
         """B, the number of sequences."""
         return len(self.seq_lens_host)
 
+    @classmethod
+    def from_lengths(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int] | torch.Tensor,
+        block_tables: torch.Tensor | list[list[int]],
+        *,
+        block_size: int | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+        max_seq_len: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """The metadata of a batch whose sequence ``i`` computes its last ``query_lens[i]`` of
+        ``seq_lens[i]`` tokens: the one way to build one (API 1.4).
+
+        .. versionadded:: 1.4
+
+        :param query_lens: new tokens per sequence (host ints).
+        :param seq_lens: kv tokens per sequence: host ints, or an int32 tensor used as it is (a
+            step graph's fixed buffer; its host copy is read once, here).
+        :param block_tables: ``[B, max_blocks]`` int32 tensor used as it is, or one block-id list per
+            sequence (padded with block 0).
+        :param block_size: derive ``slot_mapping`` from the block tables (each token's slot in its
+            block); give this or ``slot_mapping``.
+        :param slot_mapping: ``[T]`` int64 slots used as they are (-1: a padding token that writes no
+            K/V); a caller that already holds the tokens' positions computes them once itself.
+        :param query_start_loc: ``[B+1]`` offsets the caller already holds (default: the cumulative
+            sum of ``query_lens``).
+        :param max_seq_len: default ``max(seq_lens)``; a step graph passes the context length.
+        :param device: where the tensors go (default: where they are; new ones on the host).
+        """
+        if (block_size is None) == (slot_mapping is None):
+            raise ValueError("AttentionMetadata.from_lengths needs exactly one of block_size and slot_mapping")
+        if isinstance(seq_lens, torch.Tensor):
+            seq_lens_host: list[int] = seq_lens.tolist()
+            seq_lens_t = seq_lens.to(device=device, dtype=torch.int32)
+        else:
+            seq_lens_host = seq_lens
+            seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        if not isinstance(block_tables, torch.Tensor):
+            width = max(len(t) for t in block_tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        if query_start_loc is None:
+            query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0, out=query_start_loc[1:])
+        if slot_mapping is None:
+            assert block_size is not None
+            # token j of sequence i sits at position seq_lens[i] - query_lens[i] + j
+            positions = torch.tensor(
+                [p for q, s in zip(query_lens, seq_lens_host, strict=True) for p in range(s - q, s)], dtype=torch.long
+            )
+            seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
+            blocks = block_tables.to(HOST)[seq_of_token, positions // block_size].long()
+            slot_mapping = blocks * block_size + positions % block_size
+        return cls(
+            query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+            seq_lens=seq_lens_t,
+            block_tables=block_tables.to(device=device),
+            slot_mapping=slot_mapping.to(device=device, dtype=torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens_host) if max_seq_len is None else max_seq_len,
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens_host,
+        )
+
 
 class AttentionKernels(ABC):
-    """KV-cache write and paged attention for one :class:`AttentionSpec`."""
+    """KV-cache write and paged attention for one :class:`AttentionSpec`.
+
+    .. versionadded:: 1.0
+    """
 
     def __init__(self, spec: AttentionSpec, layout: KVCacheLayout) -> None:
         self.spec = spec
@@ -207,7 +204,10 @@ class AttentionKernels(ABC):
 
 @dataclass(slots=True)
 class LinearWeight:
-    """A weight prepared by a backend's GEMM: dense ``[N, K]`` or a backend-specific format."""
+    """A weight prepared by a backend's GEMM: dense ``[N, K]`` or a backend-specific format.
+
+    .. versionadded:: 1.0
+    """
 
     out_features: int
     in_features: int
@@ -218,7 +218,10 @@ class LinearWeight:
 
 
 class GemmKernels(ABC):
-    """Matrix multiplication of activations with prepared weights."""
+    """Matrix multiplication of activations with prepared weights.
+
+    .. versionadded:: 1.0
+    """
 
     @abstractmethod
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
@@ -234,15 +237,30 @@ class GemmKernels(ABC):
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
         """Prepare a weight kept in a ggml block format (see :mod:`plinth.platform.quant`).
 
-        The core calls this only for formats the backend lists in ``Capabilities.quant_formats``
-        (API 1.1); for any other it dequantizes first and calls :meth:`prepare`. The default
-        dequantizes, so declaring a format without overriding this is correct, merely not compact.
+        The core calls this only for formats the backend lists in ``Capabilities.quant_formats``;
+        for any other it dequantizes first and calls :meth:`prepare`. The default dequantizes, so
+        declaring a format without overriding this is correct, merely not compact.
+
+        .. versionadded:: 1.1
         """
         return self.prepare(dequantize(weight), bias)
 
 
 class SmallOps:
-    """Elementwise and normalisation ops a backend may override. The defaults are plain torch."""
+    """Elementwise and normalisation ops a backend may override. The defaults are plain torch.
+
+    .. versionadded:: 1.0
+    """
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a 2-D tensor ``[S, V]`` -> ``[S]`` int64: the first index of each
+        row's maximum, a NaN counting as the maximum (torch's rule). The sampler picks greedy tokens
+        and its exponential-race draws with it, once per step; a backend whose torch argmax is slow
+        on its device overrides it with a faster equivalent that returns the same indices.
+
+        .. versionadded:: 1.4
+        """
+        return x.argmax(dim=-1)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 at least: ``x / rms(x) * weight``."""
@@ -254,10 +272,12 @@ class SmallOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``s = x + residual``; returns ``(rms_norm(s), s)`` (API 1.1).
+        """``s = x + residual``; returns ``(rms_norm(s), s)``.
 
         The pre-norm residual step of every decoder layer in one call. ``residual`` belongs to
         the caller's forward pass and may be overwritten with ``s`` (and returned as it).
+
+        .. versionadded:: 1.1
         """
         s = x + residual
         return self.rms_norm(s, weight, eps), s
@@ -288,6 +308,8 @@ class StepGraph(ABC):
 
     The analogue of a CUDA graph: every buffer a recorded call read or wrote is the one it uses on
     replay, so the caller refills the inputs in place and reads the outputs where they were.
+
+    .. versionadded:: 1.2
     """
 
     @abstractmethod
@@ -296,8 +318,11 @@ class StepGraph(ABC):
 
     def replay_rows(self, rows: int, captured: int) -> None:
         """Replay for the first ``rows`` of the ``captured`` rows (tokens) the graph was recorded
-        with (API 1.3): the rest are a bucket's padding, whose outputs are dropped. The default
-        replays every row; a backend whose recorded calls work row by row may run only ``rows``."""
+        with: the rest are a bucket's padding, whose outputs are dropped. The default replays every
+        row; a backend whose recorded calls work row by row may run only ``rows``.
+
+        .. versionadded:: 1.3
+        """
         self.replay()
 
 
@@ -306,6 +331,8 @@ class GraphCapture(ABC):
 
     Between ``begin_graph_capture`` and :meth:`finish` the caller runs a model forward once, for
     real (its results are valid); the backend records its kernel calls as they run.
+
+    .. versionadded:: 1.2
     """
 
     #: True when only the backend's own kernel calls are recorded, not torch ops. The core then
@@ -323,9 +350,14 @@ class GraphCapture(ABC):
 
 
 class DeviceServices:
-    """Device-level services: where tensors live, how much memory is free, optional compilation.
+    """Device-level services: where tensors live, how much memory is free, step graphs.
 
     The default describes the host CPU; accelerator backends override it.
+
+    .. versionadded:: 1.0
+    .. versionchanged:: 1.4
+        ``compile`` removed: the core never called it (an override is now simply unused); the
+        engine's compiled path is the step graph (:meth:`begin_graph_capture`).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -341,15 +373,17 @@ class DeviceServices:
         return avail * page, pages * page
 
     def synchronize(self) -> None:
-        """Wait for queued device work (no-op on synchronous devices)."""
+        """Wait until every kernel queued on the device has finished (no-op on synchronous devices).
+
+        Called before a clock is read around device work (the conformance suite's kernel timings
+        and roofline, ``plinth bench``'s timings) and before results of checked kernel calls are
+        compared on the host. Never called in the step loop: reading sampled tokens back already
+        orders the work there.
+        """
 
     def default_dtype(self) -> str:
         """The compute dtype to use when the user does not choose one."""
         return "float32"
-
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Optionally compile a model forward; the default returns it unchanged."""
-        return fn
 
     def set_num_threads(self, n: int) -> None:
         """Run this backend's host-side work on ``n`` threads (``--threads``, ``EngineConfig.num_threads``).
@@ -376,19 +410,27 @@ class DeviceServices:
         return {"torch_sum": torch.Tensor.sum}
 
     def begin_graph_capture(self) -> GraphCapture | None:
-        """Start recording kernel calls into a :class:`StepGraph` (API 1.2); None (the default) where
-        the backend cannot. The runner captures decode steps once per batch-size bucket and replays
+        """Start recording kernel calls into a :class:`StepGraph`; None (the default) where the
+        backend cannot. The runner captures decode steps once per batch-size bucket and replays
         them; a backend's kernels must then make the same calls for the same batch size (the
         choices they make on the host may depend on shapes, not on the values in the metadata).
+
+        .. versionadded:: 1.2
         """
         return None
 
 
 class Backend(ABC):
-    """A hardware backend as a plugin registers it. Subclasses set the class attributes."""
+    """A hardware backend as a plugin registers it. Subclasses set the class attributes.
 
+    .. versionadded:: 1.0
+    """
+
+    #: Unique across installed plugins; what users type in ``--backend``.
     name: ClassVar[str]
+    #: The backend's own version (shown by ``plinth backends`` and in certificates).
     version: ClassVar[str] = "0"
+    #: The ``PLUGIN_API_VERSION`` this backend was written against (see :mod:`plinth.hookspecs`).
     api_version: ClassVar[tuple[int, int]] = (1, 0)
     description: ClassVar[str] = ""
 
@@ -436,11 +478,22 @@ class Backend(ABC):
 
 
 class KernelProvider(ABC):
-    """Kernels a plugin contributes to another plugin's backend (``plinth_register_kernels``)."""
+    """Kernels a plugin contributes to another plugin's backend (``plinth_register_kernels``).
 
+    Resolution per op (:func:`plinth.platform.kernels.resolve_kernels`): providers with
+    ``priority`` above 0, highest first, are asked before the backend; the backend's own kernels
+    have priority 0; providers at 0 or below are asked only where the backend raises
+    ``NotSupported``. A factory returns None for a case it does not cover, never raises for it.
+
+    .. versionadded:: 1.0
+    """
+
+    #: The backend these kernels are for; a provider for another backend is ignored.
     backend_name: ClassVar[str]
+    #: Shown where the engine reports which kernels it uses.
     name: ClassVar[str]
-    priority: ClassVar[int] = 0  # the backend's own kernels have priority 0
+    #: The backend's own kernels have priority 0.
+    priority: ClassVar[int] = 0
 
     def attention_kernels(self, spec: AttentionSpec, layout: KVCacheLayout) -> AttentionKernels | None:
         """Kernels for ``spec``, or None when this provider does not cover it."""

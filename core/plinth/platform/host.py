@@ -13,11 +13,15 @@ import logging
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from plinth import hookspecs
-from plinth.platform.backend import Backend, KernelProvider, Probe
+from plinth.platform.values import Probe
+
+if TYPE_CHECKING:  # the host itself stays torch-free: plugins bring torch if they need it
+    from plinth.platform.backend import Backend, KernelProvider
 
 logger = logging.getLogger(__name__)
 
@@ -126,17 +130,28 @@ class PluginHost:
         )
         self._register_backends(info)
 
+    def _call_one(self, info: PluginInfo, hook: str, **kwargs: object) -> list[Any]:
+        """Call ``hook`` on plugin ``info`` alone, through pluggy.
+
+        Through pluggy (never ``impl.function()``) so that each implementation receives only the
+        arguments it names: a hook that gained an argument in a later minor still calls a plugin
+        written against the older signature. One plugin at a time so an error names its plugin.
+        ``kwargs`` must carry every argument of the current spec (pluggy warns otherwise).
+        """
+        plugin = self.pm.get_plugin(info.name)
+        others = [p for p in self.pm.get_plugins() if p is not plugin]
+        caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+        return list(caller(**kwargs))
+
     def _register_backends(self, info: PluginInfo) -> None:
-        for impl in self.pm.hook.plinth_register_backends.get_hookimpls():
-            if impl.plugin_name != info.name:
-                continue
-            try:
-                backends: list[Backend] = list(impl.function())  # type: ignore[call-overload]
-            except Exception as exc:
-                info.error = f"plinth_register_backends raised {_describe(exc)}"
-                logger.warning("plugin %s (%s): %s", info.name, info.dist_name, info.error)
-                return
-            for backend in backends:
+        try:
+            batches = self._call_one(info, "plinth_register_backends")
+        except Exception as exc:
+            info.error = f"plinth_register_backends raised {_describe(exc)}"
+            logger.warning("plugin %s (%s): %s", info.name, info.dist_name, info.error)
+            return
+        for batch in batches:
+            for backend in batch:
                 self._add_backend(info, backend)
 
     def _add_backend(self, info: PluginInfo, backend: Backend) -> None:
@@ -205,10 +220,30 @@ class PluginHost:
         return usable[0]
 
     def kernel_providers(self, backend_name: str) -> list[KernelProvider]:
-        """Kernels other plugins contribute to ``backend_name``, highest priority first."""
+        """Kernels other plugins contribute to ``backend_name``, highest priority first.
+
+        Each plugin's ``plinth_register_kernels`` is called on its own: one that raises is reported
+        (logged, and recorded as its plugin's ``error``) and contributes nothing; the others still
+        do. A provider for another backend is dropped.
+
+        :raises BackendError: ``backend_name`` is not a registered backend.
+        """
+        if backend_name not in self._backends:
+            raise BackendError(f"unknown backend {backend_name!r}; installed: {', '.join(self.names())}")
+        backend = self._backends[backend_name].backend
         providers: list[KernelProvider] = []
-        for batch in self.pm.hook.plinth_register_kernels(backend_name=backend_name):
-            providers.extend(p for p in batch if p.backend_name == backend_name)
+        for info in self.plugins:
+            if "plinth_register_kernels" not in info.hooks:
+                continue
+            try:
+                batches = self._call_one(info, "plinth_register_kernels", backend_name=backend_name, backend=backend)
+            except Exception as exc:  # an optional speed-up must not stop the engine, nor vanish
+                info.error = f"plinth_register_kernels raised {_describe(exc)}"
+                logger.warning("plugin %s (%s): %s", info.name, info.dist_name, info.error)
+                continue
+            for batch in batches:
+                providers.extend(p for p in batch if p.backend_name == backend_name)
+        # sorted() is stable: equal priorities keep plugin (entry-point name) order
         return sorted(providers, key=lambda p: -p.priority)
 
 

@@ -34,7 +34,11 @@ class KernelSet:
     backend: Backend
     gemm: GemmKernels
     ops: SmallOps
+    #: Called once per attention layer spec as the model is built.
     attention: Callable[[AttentionSpec], AttentionKernels]
+    #: One line per op that fell back to the reference kernel (each distinct case once; attention
+    #: cases are added as the model's layers are built). Logged as a warning when taken, and shown
+    #: by ``plinth generate`` and in ``plinth bench`` results, since it means "slow".
     fallbacks: list[str] = field(default_factory=list)
 
 
@@ -43,17 +47,31 @@ def resolve_kernels(
 ) -> KernelSet:
     """Resolve GEMM and small ops now, and return an attention factory that resolves per layer spec.
 
+    For each op: providers with priority above 0 (``providers`` is highest first, as
+    ``PluginHost.kernel_providers`` returns it) that cover the case; else the backend's own
+    kernels; else, where the backend raises :class:`NotSupported`, any other provider that covers
+    it; else the reference kernel with a warning (recorded in ``KernelSet.fallbacks``). Attention
+    never falls back to the reference kernel when the backend's KV layout is not the reference's:
+    the reference kernels could not read that cache.
+
+    :param backend: the selected backend.
+    :param providers: kernel providers contributed to it, highest priority first.
+    :param dtype: the compute dtype name.
     :param strict: raise :class:`NotSupported` instead of falling back to the reference kernels.
+    :raises NotSupported: in strict mode where a fallback would be taken, and for attention the
+        backend's KV layout keeps from the reference kernel.
     """
     fallbacks: list[str] = []
     layout = backend.capabilities().kv_cache_layout
+    providers = sorted(providers, key=lambda p: -p.priority)  # stable: equal priorities keep their order
 
     def fallback(what: str, err: NotSupported) -> None:
         if strict:
             raise err
         note = f"{what}: {err}; using the reference kernel (slow)"
-        logger.warning(note)
-        fallbacks.append(note)
+        if note not in fallbacks:  # every layer of a model shares a spec: say it once
+            logger.warning(note)
+            fallbacks.append(note)
 
     gemm: GemmKernels | None = None
     for provider in providers:

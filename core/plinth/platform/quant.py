@@ -28,7 +28,10 @@ QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q8_0": (32, 34), "q4_1": (32, 20)}
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A ``[out_features, in_features]`` weight in a block format: ``blocks`` is uint8 ``[N, K / 32 * bytes]``."""
+    """A ``[out_features, in_features]`` weight in a block format: ``blocks`` is uint8 ``[N, K / 32 * bytes]``.
+
+    .. versionadded:: 1.1
+    """
 
     format: str
     out_features: int
@@ -83,7 +86,10 @@ def dequantize_blocks(fmt: str, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
-    """The fp32 ``[N, K]`` values of ``weight``."""
+    """The fp32 ``[N, K]`` values of ``weight``.
+
+    .. versionadded:: 1.1
+    """
     _, nbytes = QUANT_BLOCKS[weight.format]
     flat = dequantize_blocks(weight.format, weight.blocks.reshape(-1, nbytes))
     return flat.reshape(weight.out_features, weight.in_features)

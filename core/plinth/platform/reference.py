@@ -79,7 +79,12 @@ def reference_paged_attention(
 
 
 class ReferenceAttention(AttentionKernels):
-    """KV write by indexing one token at a time; attention by :func:`reference_paged_attention`."""
+    """KV write by indexing one token at a time; attention by :func:`reference_paged_attention`.
+
+    The template's starter attention subclasses it.
+
+    .. versionadded:: 1.0
+    """
 
     @staticmethod
     def default_layout() -> KVCacheLayout:
@@ -111,7 +116,10 @@ class ReferenceAttention(AttentionKernels):
 
 
 class ReferenceGemm(GemmKernels):
-    """``x @ w.T + b`` with torch.matmul, no re-layout."""
+    """``x @ w.T + b`` with torch.matmul, no re-layout. The template's starter GEMM subclasses it.
+
+    .. versionadded:: 1.0
+    """
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

@@ -24,8 +24,9 @@ from plinth.platform.kernels import resolve_kernels
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from plinth.runtime.runner import ModelRunner
-from plinth.runtime.sampler import SampleResult
+from plinth.runtime.sampler import Sampler, SampleResult
 from plinth.sampling_params import SamplingParams
+from plinth.sched.output import EngineFinishes
 from plinth.sched.request import Request, RequestStatus, StopCriteria
 from plinth.sched.scheduler import Scheduler
 
@@ -66,14 +67,14 @@ class _Sequence:
 
 @dataclass(slots=True)
 class _Group:
-    """All sequences of one user request (``n`` of them after a fork)."""
+    """All sequences of one user request (``n`` of them after a fork), by sample index."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    seqs: dict[str, _Sequence] = field(default_factory=dict)
+    seqs: dict[int, _Sequence] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -145,7 +146,7 @@ class LLMEngine:
         self.startup_seconds["kv_cache"] = time.monotonic() - lap
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(
+        self.scheduler: Scheduler[SamplingParams] = Scheduler(
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -166,10 +167,15 @@ class LLMEngine:
                 max_seq_len=self.max_model_len,
             )
         self.runner = ModelRunner(
-            self.model, kv_caches, self.kernels.attention(specs[0]), services, block_size, graphs=graphs
+            self.model,
+            kv_caches,
+            self.kernels.attention(specs[0]),
+            services,
+            block_size,
+            graphs=graphs,
+            sampler=Sampler(self.kernels.ops),
         )
         self._groups: dict[str, _Group] = {}
-        self._seq_group: dict[str, str] = {}
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "engine ready on %s in %.1fs: %d KV blocks of %d tokens, dtype %s",
@@ -241,24 +247,22 @@ class LLMEngine:
         )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequest(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        request = Request(request_id, prompt_ids, stop, n=params.n, params=params)
-        self._groups[request_id] = _Group(
+        request = Request(request_id, prompt_ids, stop, params=params, seed=params.seed, n=params.n)
+        group = _Group(
             request_id,
             text,
             prompt_ids,
             params,
             RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids)),
         )
-        self._add_sequence(request_id, request_id, 0)
+        self._add_sequence(group, 0)
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:  # the scheduler's own guard: forget the request, keep serving
-            self._groups.pop(request_id, None)
-            self._seq_group.pop(request_id, None)
             raise InvalidRequest(str(exc)) from exc
+        self._groups[request_id] = group
 
-    def _add_sequence(self, group_id: str, seq_id: str, index: int) -> _Sequence:
-        group = self._groups[group_id]
+    def _add_sequence(self, group: _Group, index: int) -> _Sequence:
         seq = _Sequence(
             index=index,
             detok=IncrementalDetokenizer(
@@ -266,19 +270,13 @@ class LLMEngine:
             ),
             logprobs=[] if group.params.logprobs is not None else None,
         )
-        group.seqs[seq_id] = seq
-        self._seq_group[seq_id] = group_id
+        group.seqs[index] = seq
         return seq
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its sequences; their KV blocks return to the pool at once."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return
-        for seq_id in group.seqs:
-            self.scheduler.abort_request(seq_id)
-            self.runner.sampler.forget(seq_id)
-            self._seq_group.pop(seq_id, None)
+        if self._groups.pop(request_id, None) is not None:
+            self.scheduler.finish(EngineFinishes(aborted=[request_id]))
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
@@ -293,7 +291,6 @@ class LLMEngine:
         for request_id in ids:
             self.abort_request(request_id)
         self.scheduler.abort_all()  # also forgets the step that never reached update()
-        self._seq_group.clear()
         return ids
 
     # -- the step loop -----------------------------------------------------------------------------
@@ -307,18 +304,21 @@ class LLMEngine:
                 raise RuntimeError("the scheduler made no progress with requests queued")
             return []
         results = self.runner.execute(sched_out)
-        sampled = {rid: [r.token_id for r in res] for rid, res in results.items()}
+        sampled = {seq_id: r.token_id for seq_id, r in results.items()}
         advanced = self.scheduler.update(sched_out, sampled)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
+        stopped = []  # sequences whose text reached a stop string: finished in one call below
         for req in advanced:
-            group_id = self._seq_group.get(req.parent_id or req.request_id)
-            if group_id is None:
+            group = self._groups.get(req.request_id)
+            if group is None:
                 continue  # aborted meanwhile
-            group = self._groups[group_id]
-            seq = group.seqs.get(req.request_id) or self._add_sequence(group_id, req.request_id, req.sample_index)
-            self._observe(group, seq, req, results, now)
-            touched[group_id] = group
+            seq = group.seqs.get(req.sample_index) or self._add_sequence(group, req.sample_index)
+            if self._observe(group, seq, req, results[req.seq_id], now):
+                stopped.append(req.seq_id)
+            touched[req.request_id] = group
+        if stopped:
+            self.scheduler.finish(EngineFinishes(stopped=stopped))
         outputs = []
         for group in touched.values():
             output = self._output(group)
@@ -328,11 +328,13 @@ class LLMEngine:
         return outputs
 
     def _observe(
-        self, group: _Group, seq: _Sequence, req: Request, results: dict[str, list[SampleResult]], now: float
-    ) -> None:
+        self, group: _Group, seq: _Sequence, req: Request[SamplingParams], result: SampleResult, now: float
+    ) -> bool:
+        """Take the sequence's new token (``result`` is its sample); True when its text now ends in
+        a stop string (the caller finishes it in the scheduler)."""
         new_ids = req.output_token_ids[seq.num_seen :]
         if not new_ids:
-            return
+            return False
         seq.num_seen = len(req.output_token_ids)
         m = group.metrics
         m.first_token_time = m.first_token_time or now
@@ -341,11 +343,6 @@ class LLMEngine:
         m.num_cached_prompt_tokens = max(m.num_cached_prompt_tokens, req.num_cached_prompt_tokens)
         m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
         if seq.logprobs is not None:
-            # a fork's children get their first token from the parent's row: sample k is child k
-            if req.request_id in results:
-                result = results[req.request_id][0]
-            else:
-                result = results[req.parent_id or ""][req.sample_index]
             seq.logprobs.append(TokenLogprob(result.token_id, result.logprob or 0.0, result.top_logprobs or []))
         seq.detok.step(new_ids)
         if req.status.finished:
@@ -354,11 +351,12 @@ class LLMEngine:
             last = new_ids[-1]
             if req.status is RequestStatus.FINISHED_STOPPED and last in req.stop.stop_token_ids:
                 seq.stop_reason = last
-            return
+            return False
         stop = self._find_stop_string(group.params, seq)
-        if stop is not None:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            seq.finish_reason, seq.stop_reason = "stop", stop
+        if stop is None:
+            return False
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
 
     def _find_stop_string(self, params: SamplingParams, seq: _Sequence) -> str | None:
         """The earliest stop string in the text added since the last scan (a stop may straddle the
@@ -405,7 +403,6 @@ class LLMEngine:
         )
 
     def _release(self, group: _Group) -> None:
+        # the scheduler already forgot its sequences; the runner drops their generators when the
+        # next step's output lists them as finished
         self._groups.pop(group.request_id, None)
-        for seq_id in group.seqs:
-            self._seq_group.pop(seq_id, None)
-            self.runner.sampler.forget(seq_id)

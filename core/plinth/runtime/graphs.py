@@ -177,15 +177,14 @@ class DecodeGraphs:
         self.model.embed(self._ids[:bucket], out=self._hidden[:bucket])
 
     def _context(self, bucket: int) -> ForwardContext:
-        meta = AttentionMetadata(
-            query_start_loc=self._query_start_loc[: bucket + 1],
-            seq_lens=self._seq_lens[:bucket],
-            block_tables=self._block_tables[:bucket],
+        # the fixed buffers themselves: every replay reads what _fill wrote into them
+        meta = AttentionMetadata.from_lengths(
+            [1] * bucket,
+            self._seq_lens[:bucket],
+            self._block_tables[:bucket],
             slot_mapping=self._slots[:bucket],
-            max_query_len=1,
+            query_start_loc=self._query_start_loc[: bucket + 1],
             max_seq_len=self.max_seq_len,
-            query_lens_host=[1] * bucket,
-            seq_lens_host=self._seq_lens[:bucket].tolist(),
         )
         return ForwardContext(meta, self.kv_caches)
 

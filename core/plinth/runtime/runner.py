@@ -1,4 +1,8 @@
-"""The model runner: turns a SchedulerOutput into one flattened forward pass and sampled tokens."""
+"""The model runner: turns a SchedulerOutput into one flattened forward pass and sampled tokens.
+
+It sees only the scheduler's value objects (chunks, samples, sequence ids), never a ``Request``, and
+returns the sampled tokens keyed by the ``SequenceId`` each sample names.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ import torch
 from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
 from plinth.runtime.graphs import DecodeGraphs
-from plinth.runtime.sampler import Sampler, SampleResult, SampleRow
+from plinth.runtime.sampler import Sampler, SampleResult
+from plinth.sampling_params import SamplingParams
 from plinth.sched.output import SchedulerOutput
+from plinth.sched.request import Sample, SequenceId
 
 
 @dataclass(slots=True)
@@ -33,7 +39,10 @@ class CausalLM(Protocol):
 
 
 class ModelRunner:
-    """Owns the model and the KV caches; runs one scheduled step at a time."""
+    """Owns the model, the KV caches and the sampler; runs one scheduled step at a time.
+
+    :param sampler: default: a :class:`Sampler` with the plain-torch ops.
+    """
 
     def __init__(
         self,
@@ -43,6 +52,7 @@ class ModelRunner:
         services: DeviceServices,
         block_size: int,
         graphs: DecodeGraphs | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         self.model = model
         self.graphs = graphs  # decode steps replayed from step graphs; None: every step eager
@@ -51,9 +61,9 @@ class ModelRunner:
         self.services = services
         self.device = services.device
         self.block_size = block_size
-        self.sampler = Sampler()
+        self.sampler = sampler or Sampler()
 
-    def prepare(self, out: SchedulerOutput) -> BatchInputs:
+    def prepare(self, out: SchedulerOutput[SamplingParams]) -> BatchInputs:
         """Build the step's tensors from the scheduler's value objects."""
         input_ids: list[int] = []
         query_lens: list[int] = []
@@ -78,15 +88,14 @@ class ModelRunner:
         positions = torch.tensor(starts, dtype=torch.long).index_select(0, seq_of_token) + offset_in_seq
         block_idx = block_tables[seq_of_token, positions // self.block_size].long()
         slot_mapping = block_idx * self.block_size + positions % self.block_size
-        attn = AttentionMetadata(
-            query_start_loc=query_start_loc.to(torch.int32).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+        # the positions are needed here anyway: the slots and offsets are passed in, not derived again
+        attn = AttentionMetadata.from_lengths(
+            query_lens,
+            seq_lens,
+            block_tables,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            device=dev,
         )
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -96,7 +105,7 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _graph_step(out: SchedulerOutput, graphs: DecodeGraphs) -> bool:
+    def _graph_step(out: SchedulerOutput[SamplingParams], graphs: DecodeGraphs) -> bool:
         """Whether this step is a pure decode a step graph can run (counted as eager if not)."""
         if not out.scheduled or any(len(s.token_ids) != 1 for s in out.scheduled):
             return False
@@ -106,8 +115,10 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, list[SampleResult]]:
-        """Run the step; return the sampled tokens of each request that samples this step."""
+    def execute(self, out: SchedulerOutput[SamplingParams]) -> dict[SequenceId, SampleResult]:
+        """Run the step; return one result per sample of the step, keyed by the sample's sequence id."""
+        for seq_id in out.finished_seq_ids:
+            self.sampler.forget(seq_id)
         if out.block_copies:
             self.attention.copy_blocks(self.kv_caches, out.block_copies)
         sampling = [i for i, s in enumerate(out.scheduled) if s.num_samples > 0]
@@ -130,19 +141,11 @@ class ModelRunner:
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
             last = hidden.index_select(0, idx)
         logits = self.model.compute_logits(last)  # [S, V]
-        rows: list[SampleRow] = []
-        owners: list[str] = []
+        samples: list[Sample[SamplingParams]] = []
+        logits_rows: list[int] = []  # the row of `logits` each sample reads (a fork's n share one)
         for j, i in enumerate(sampling):
-            s = out.scheduled[i]
-            req = s.request
-            params = req.params
-            for k in range(s.num_samples):
-                # sample k of a fork becomes the sequence "<id>#k"; it seeds with seed + k
-                key = req.request_id if k == 0 else f"{req.request_id}#{k}"
-                seed = None if params.seed is None else params.seed + req.sample_index + k  # type: ignore[attr-defined]
-                rows.append(SampleRow(j, params, key, seed, req.prompt_token_ids, req.output_token_ids))  # type: ignore[arg-type]
-                owners.append(req.request_id)
-        results: dict[str, list[SampleResult]] = {}
-        for owner, result in zip(owners, self.sampler.sample(logits, rows), strict=True):
-            results.setdefault(owner, []).append(result)
-        return results
+            for sample in out.scheduled[i].samples:
+                samples.append(sample)
+                logits_rows.append(j)
+        results = self.sampler.sample(logits, samples, logits_rows)
+        return {sample.seq_id: result for sample, result in zip(samples, results, strict=True)}

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from plinth.platform.backend import SmallOps
 from plinth.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class SampleRow:
-    """One token to sample. Several rows may read the same logits row (the n samples of a fork)."""
-
-    logits_index: int
-    params: SamplingParams
-    key: str  # the sequence that receives the token: owns the seeded generator
-    seed: int | None
-    prompt_ids: list[int]
-    output_ids: list[int]
+from plinth.sched.request import Sample, SequenceId
 
 
 @dataclass(slots=True)
@@ -31,34 +22,40 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per :class:`SampleRow`.
+    """Samples one token per :class:`~plinth.sched.request.Sample`.
 
     Logprobs are those of the model's raw distribution (before penalties and temperature), as the
     OpenAI API reports them. Seeded rows draw from their own generator, kept across steps, so a
     seeded request yields the same tokens whatever else is in the batch.
+
+    :param ops: the backend's small ops; their ``argmax`` picks the tokens (default: plain torch).
     """
 
-    def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
+    def __init__(self, ops: SmallOps | None = None) -> None:
+        self._generators: dict[SequenceId, torch.Generator] = {}
+        self._argmax = (ops or SmallOps()).argmax  # looked up once, not per step
 
-    def forget(self, key: str) -> None:
+    def forget(self, seq_id: SequenceId) -> None:
         """Drop the generator of a finished sequence."""
-        self._generators.pop(key, None)
+        self._generators.pop(seq_id, None)
 
-    def _generator(self, key: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(key)
+    def _generator(self, seq_id: SequenceId, seed: int) -> torch.Generator:
+        gen = self._generators.get(seq_id)
         if gen is None:
             gen = torch.Generator()
             gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # any int (seed + sample index) maps into uint64
-            self._generators[key] = gen
+            self._generators[seq_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
-        """``logits`` [L, V] -> one result per row."""
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[Sample[SamplingParams]], logits_rows: list[int]
+    ) -> list[SampleResult]:
+        """``logits`` [L, V] -> one result per sample; sample ``i`` reads logits row ``logits_rows[i]``
+        (the ``n`` samples of a fork read the same row). A seeded sample draws from the generator
+        of its ``seq_id``, made from its seed the first time and kept until :meth:`forget`."""
         logits = logits.float()
-        order = [r.logits_index for r in rows]
-        if order != list(range(logits.shape[0])):  # n > 1 repeats rows; else the logits are in order
-            logits = logits.index_select(0, torch.tensor(order, dtype=torch.long, device=logits.device))  # [S, V]
+        if logits_rows != list(range(logits.shape[0])):  # n > 1 repeats rows; else the logits are in order
+            logits = logits.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=logits.device))  # [S, V]
         elif any(r.params.has_penalties for r in rows):
             logits = logits.clone()  # penalties write rows in place: never into the caller's tensor
         raw_logprobs = None
@@ -66,15 +63,15 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         for i, row in enumerate(rows):
             if row.params.has_penalties:
-                logits[i] = apply_penalties(logits[i], row.params, row.prompt_ids, row.output_ids)
+                logits[i] = apply_penalties(logits[i], row.params, row.prompt_token_ids, row.output_token_ids)
 
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if len(greedy) == len(rows):  # all greedy: no row selection (a [S, V] copy each)
-            tokens = argmax_rows(logits)
+            tokens = self._argmax(logits)
         elif greedy:
             g = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-            tokens[g] = argmax_rows(logits.index_select(0, g))
+            tokens[g] = self._argmax(logits.index_select(0, g))
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random:
             r_idx = torch.tensor(random, dtype=torch.long, device=logits.device)
@@ -88,11 +85,11 @@ class Sampler:
                 if row.seed is None:
                     unseeded.append(j)
                 else:
-                    noise[j].exponential_(generator=self._generator(row.key, row.seed))
+                    noise[j].exponential_(generator=self._generator(row.seq_id, row.seed))
             if unseeded:
                 u = torch.tensor(unseeded, dtype=torch.long, device=logits.device)
                 noise.index_copy_(0, u, torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_())
-            tokens[r_idx] = argmax_rows(probs / noise)
+            tokens[r_idx] = self._argmax(probs / noise)
 
         token_list = tokens.tolist()
         results = []
@@ -107,37 +104,6 @@ class Sampler:
                     result.top_logprobs = []
             results.append(result)
         return results
-
-
-#: Vocabulary slice of :func:`argmax_rows`; rows shorter than ``4 * ARGMAX_CHUNK`` take one argmax.
-ARGMAX_CHUNK = 1024
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a 2-D tensor (the first index of each row's maximum; a NaN counts as the
-    maximum, as in torch), in two passes: the maximum of each ``ARGMAX_CHUNK``-wide slice, then one
-    argmax inside the first slice that holds the row's maximum.
-
-    torch's CPU argmax runs at about a tenth of the speed of its max-reduction (64 rows of a 49,152-token
-    vocabulary: 3.9 ms against 0.6 ms this way, 2 threads; a 64-sequence decode step of SmolLM2 Q4_1
-    200 -> 190 ms). A single row takes torch's argmax: it runs on the calling thread, where the slices'
-    maxima would wake torch's worker threads, which then spin against the cpu backend's own (batch 1:
-    +2.2 ms a token).
-    """
-    rows, width = x.shape
-    c = ARGMAX_CHUNK
-    if rows < 2 or width < 4 * c or x.device.type != "cpu":
-        return x.argmax(dim=-1)
-    n = width // c
-    slice_max = x[:, : n * c].reshape(rows, n, c).amax(dim=-1)  # [S, n]
-    if width > n * c:  # the short last slice
-        slice_max = torch.cat([slice_max, x[:, n * c :].amax(dim=-1, keepdim=True)], dim=1)
-    first = slice_max.argmax(dim=-1)  # [S]: the first slice holding the maximum (or a NaN)
-    # a window of c ending at the row's end for the short slice: what it overlaps of the slice before
-    # holds no maximum (that slice is not the first to hold one)
-    start = torch.clamp(first * c, max=width - c)
-    window = x.gather(1, start[:, None] + torch.arange(c, device=x.device))  # [S, c]
-    return start + window.argmax(dim=-1)
 
 
 def apply_penalties(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from plinth.sched.block_pool import BlockPool, KVBlock
 from plinth.sched.prefix_cache import HashPrefixCache, NoPrefixCache, PrefixCache
-from plinth.sched.request import Request
+from plinth.sched.request import Request, SequenceId
 
 
 @dataclass(slots=True)
@@ -52,7 +52,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self._prefix: PrefixCache = HashPrefixCache(self.pool) if enable_prefix_caching else NoPrefixCache()
-        self._tables: dict[str, list[KVBlock]] = {}
+        self._tables: dict[SequenceId, list[KVBlock]] = {}
         self._copies: list[tuple[int, int]] = []
 
     # -- introspection -------------------------------------------------------------------------
@@ -72,13 +72,13 @@ class KVCacheManager:
         """Requests holding a block table."""
         return len(self._tables)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (empty when it holds none)."""
-        return [b.block_id for b in self._tables.get(request_id, ())]
+    def block_ids(self, seq_id: SequenceId) -> list[int]:
+        """A copy of the sequence's block table (empty when it holds none)."""
+        return [b.block_id for b in self._tables.get(seq_id, ())]
 
-    def tables(self) -> dict[str, list[int]]:
-        """Every request's block table, as ids (a snapshot for checks and debugging)."""
-        return {rid: [b.block_id for b in t] for rid, t in self._tables.items()}
+    def tables(self) -> dict[SequenceId, list[int]]:
+        """Every sequence's block table, as ids (a snapshot for checks and debugging)."""
+        return {sid: [b.block_id for b in t] for sid, t in self._tables.items()}
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -88,8 +88,8 @@ class KVCacheManager:
         For a request that holds no blocks (new or preempted). At least its last token is always
         left out, since the runner must compute it to get logits.
         """
-        if request.request_id in self._tables:
-            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        if request.seq_id in self._tables:
+            raise ValueError(f"sequence {request.seq_id} already holds blocks")
         return ComputedBlocks(self._prefix.lookup(request), self.block_size)
 
     def allocate_slots(
@@ -108,9 +108,9 @@ class KVCacheManager:
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         hits = computed.blocks if computed is not None else []
-        table = self._tables.get(request.request_id)
+        table = self._tables.get(request.seq_id)
         if hits and (table or request.num_computed_tokens):
-            raise ValueError(f"prefix hits given for request {request.request_id!r}, which holds blocks")
+            raise ValueError(f"prefix hits given for sequence {request.seq_id}, which holds blocks")
         held = table if table is not None else []
         bs = self.block_size
         start = request.num_computed_tokens + len(hits) * bs
@@ -123,7 +123,7 @@ class KVCacheManager:
             return None
 
         if table is None:
-            table = self._tables[request.request_id] = []
+            table = self._tables[request.seq_id] = []
         if hits:
             self.pool.touch(hits)  # before allocating, so no hit is popped as a "new" block
             table.extend(hits)
@@ -142,19 +142,19 @@ class KVCacheManager:
 
         Call after the step that computed them ran, so a hit never reads a block not yet written.
         """
-        table = self._tables.get(request.request_id)
+        table = self._tables.get(request.seq_id)
         if table:
             self._prefix.register(request, table)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's whole block table, adding one reference to each block."""
-        if child.request_id in self._tables:
-            raise ValueError(f"request {child.request_id!r} already holds blocks")
-        table = self._tables.get(parent.request_id)
+        if child.seq_id in self._tables:
+            raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        table = self._tables.get(parent.seq_id)
         if table is None:
-            raise ValueError(f"request {parent.request_id!r} holds no blocks to fork")
+            raise ValueError(f"sequence {parent.seq_id} holds no blocks to fork")
         self.pool.touch(table)
-        self._tables[child.request_id] = list(table)
+        self._tables[child.seq_id] = list(table)
         self._prefix.fork(parent, child)
 
     def free(self, request: Request) -> None:
@@ -162,10 +162,10 @@ class KVCacheManager:
 
         Safe to call for a request that holds nothing.
         """
-        table = self._tables.pop(request.request_id, None)
+        table = self._tables.pop(request.seq_id, None)
         if table:
             self.pool.release(reversed(table))
-        self._prefix.forget(request.request_id)
+        self._prefix.forget(request.seq_id)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The ``(src, dst)`` copy-on-write pairs recorded since the last call, in order."""

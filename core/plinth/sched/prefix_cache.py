@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from plinth.sched.block_pool import BlockHash, BlockPool, KVBlock
-from plinth.sched.request import Request
+from plinth.sched.request import Request, SequenceId
 
 ROOT_HASH: BlockHash = b"plinth-prefix-v1"
 """The parent hash of a sequence's first block."""
@@ -50,8 +50,8 @@ class PrefixCache(Protocol):
         """The child starts with the parent's hashes (same tokens so far)."""
         ...
 
-    def forget(self, request_id: str) -> None:
-        """Drop what is kept for the request (it finished, was aborted or preempted)."""
+    def forget(self, seq_id: SequenceId) -> None:
+        """Drop what is kept for the sequence (it finished, was aborted or preempted)."""
         ...
 
 
@@ -68,7 +68,7 @@ class NoPrefixCache:
     def fork(self, parent: Request, child: Request) -> None:
         """Nothing to do."""
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, seq_id: SequenceId) -> None:
         """Nothing to do."""
 
 
@@ -89,7 +89,7 @@ class HashPrefixCache:
 
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
-        self._states: dict[str, _HashState] = {}
+        self._states: dict[SequenceId, _HashState] = {}
 
     def _hash_upto(self, request: Request, state: _HashState, num_blocks: int) -> None:
         """Extend ``state.hashes`` to cover the request's first ``num_blocks`` full blocks."""
@@ -105,7 +105,7 @@ class HashPrefixCache:
 
     def lookup(self, request: Request) -> list[KVBlock]:
         """See ``PrefixCache.lookup``; stops at the first block that is not cached."""
-        state = self._states.setdefault(request.request_id, _HashState())
+        state = self._states.setdefault(request.seq_id, _HashState())
         bs = self._pool.block_size
         max_blocks = (request.num_tokens - 1) // bs
         hashes = state.hashes
@@ -123,7 +123,7 @@ class HashPrefixCache:
 
     def register(self, request: Request, blocks: list[KVBlock]) -> None:
         """See ``PrefixCache.register``; a hash another block already holds is left to that block."""
-        state = self._states.setdefault(request.request_id, _HashState())
+        state = self._states.setdefault(request.seq_id, _HashState())
         num_full = min(request.num_computed_tokens // self._pool.block_size, len(blocks))
         if num_full <= state.num_registered:
             return
@@ -138,13 +138,13 @@ class HashPrefixCache:
 
     def fork(self, parent: Request, child: Request) -> None:
         """See ``PrefixCache.fork``."""
-        src = self._states.get(parent.request_id)
+        src = self._states.get(parent.seq_id)
         if src is not None:
-            self._states[child.request_id] = _HashState(list(src.hashes), src.num_registered)
+            self._states[child.seq_id] = _HashState(list(src.hashes), src.num_registered)
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, seq_id: SequenceId) -> None:
         """See ``PrefixCache.forget``."""
-        self._states.pop(request_id, None)
+        self._states.pop(seq_id, None)
 
     @property
     def num_tracked_requests(self) -> int:

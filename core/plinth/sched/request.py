@@ -5,6 +5,25 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, TypeVar
+
+P = TypeVar("P")  # the sampling parameters: the engine's type, opaque to the scheduler
+
+
+class SequenceId(NamedTuple):
+    """Names one sequence: sample ``sample_index`` of user request ``request_id``.
+
+    Only ``sched`` mints these (sample 0 for a new ``Request``, ``1 .. n-1`` when the scheduler forks
+    it); every other layer uses them as opaque keys, and never builds or parses a string for one. A
+    named tuple hashes and compares in C: the step loop keys a few dicts by it for every sequence.
+    """
+
+    request_id: str
+    sample_index: int
+
+    def __str__(self) -> str:
+        """``'a'`` for sample 0, ``'a' sample 2`` for a fork (error messages only; never parsed)."""
+        return repr(self.request_id) if self.sample_index == 0 else f"{self.request_id!r} sample {self.sample_index}"
 
 
 class RequestStatus(enum.Enum):
@@ -42,23 +61,40 @@ class StopCriteria:
     min_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Sample(Generic[P]):
+    """One token to sample at the end of a scheduled chunk, for sequence ``seq_id``.
+
+    ``seed`` seeds the sequence's own generator the first time it samples (None: unseeded);
+    ``prompt_token_ids`` and ``output_token_ids`` are the sequence's own lists (for penalties), read
+    only and valid until ``Scheduler.update`` appends the step's tokens.
+    """
+
+    seq_id: SequenceId
+    params: P
+    seed: int | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
 @dataclass(slots=True, eq=False)
-class Request:
+class Request(Generic[P]):
     """One sequence being generated.
 
     There is no prefill or decode phase: ``num_computed_tokens`` (tokens whose K/V are in the cache)
     catches up to ``num_tokens`` (prompt + output). A request asked for ``n`` > 1 completions is
     scheduled alone until its prompt is computed, then forked into ``n`` sequences that share the
-    prompt's blocks (``sample_index`` tells them apart; the first keeps this request's id).
+    prompt's blocks and its ``request_id``; ``sample_index`` tells them apart, and ``seq_id`` names
+    each. ``seed`` (None: unseeded) is the request's; sample ``k`` seeds with ``seed + k``.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     stop: StopCriteria
+    params: P = field(kw_only=True)  # the engine's sampling parameters, passed through to the runner
+    seed: int | None = None
     n: int = 1
     sample_index: int = 0
-    parent_id: str | None = None
-    params: object = None  # the engine's SamplingParams, opaque here
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the first schedule
@@ -66,6 +102,23 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     forked: bool = False  # True once forked into n sequences (and for the forks): never fork again
+    seq_id: SequenceId = field(init=False)
+    samples: tuple[Sample[P]] = field(init=False)  # the one sample it takes each step, built once
+
+    def __post_init__(self) -> None:
+        self.seq_id = SequenceId(self.request_id, self.sample_index)
+        self.samples = (self.make_sample(self.sample_index),)
+
+    def make_sample(self, index: int) -> Sample[P]:
+        """Sample ``index`` of this request's tokens: its sequence id and its seed (``seed + index``).
+
+        ``index`` is this sequence's own ``sample_index`` for the sample it takes each step, or
+        ``1 .. n-1`` for the first tokens of the forks at the step that forks it.
+        """
+        seed = None if self.seed is None else self.seed + index
+        return Sample(
+            SequenceId(self.request_id, index), self.params, seed, self.prompt_token_ids, self.output_token_ids
+        )
 
     @property
     def num_tokens(self) -> int:

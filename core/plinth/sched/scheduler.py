@@ -1,7 +1,8 @@
 """The scheduler: which requests run each step, with how many tokens, in which blocks.
 
 It exchanges value objects with the rest of the engine (``Request`` in, ``SchedulerOutput`` out,
-sampled token ids back in through ``update``) and never imports torch.
+sampled token ids keyed by ``SequenceId`` back in through ``update``, the engine's own finishes in
+one ``EngineFinishes`` through ``finish``) and never imports torch. It alone mints sequence ids.
 
 When ``num_computed_tokens`` advances: optimistically, in ``schedule()``. After ``schedule()`` returns,
 a scheduled request's ``num_computed_tokens`` already counts the tokens scheduled for it (the step
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Mapping
+from typing import Generic
 
 from plinth.sched.kv_cache_manager import KVCacheManager
-from plinth.sched.output import ScheduledRequest, SchedulerOutput
-from plinth.sched.request import Request, RequestStatus
+from plinth.sched.output import EngineFinishes, ScheduledChunk, SchedulerOutput
+from plinth.sched.request import P, Request, RequestStatus, Sample, SequenceId
 
 
-def _token_slice(request: Request, start: int, end: int) -> list[int]:
+def _token_slice(request: Request[P], start: int, end: int) -> list[int]:
     """``request.all_token_ids[start:end]`` without copying the whole sequence."""
     prompt, output = request.prompt_token_ids, request.output_token_ids
     p = len(prompt)
@@ -31,7 +34,15 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + output[: end - p]
 
 
-class Scheduler:
+def _sampled_token(sampled: Mapping[SequenceId, int], seq_id: SequenceId) -> int:
+    """The token sampled for ``seq_id``; a missing one is the caller's bug, named."""
+    token = sampled.get(seq_id)
+    if token is None:
+        raise ValueError(f"no sampled token for sequence {seq_id}")
+    return token
+
+
+class Scheduler(Generic[P]):
     """Continuous batching over a paged KV cache: token budget, chunked prefill, prefix hits, preemption.
 
     :param num_blocks: KV blocks in the pool (block 0 is the reserved null block).
@@ -45,6 +56,8 @@ class Scheduler:
         remaining tokens fit in the step's budget.
     :param long_prefill_token_threshold: when > 0, at most this many tokens per request per step,
         so one long prompt cannot take a whole step from the decodes.
+
+    ``P`` is the type of the requests' sampling parameters, passed through to the runner untouched.
     """
 
     def __init__(
@@ -84,21 +97,26 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self._requests: dict[str, Request] = {}  # every unfinished request, by id
-        self._pending: SchedulerOutput | None = None  # scheduled, not yet passed to update()
+        self.waiting: deque[Request[P]] = deque()
+        self.running: list[Request[P]] = []
+        self._requests: dict[SequenceId, Request[P]] = {}  # every unfinished sequence
+        self._live: dict[str, int] = {}  # request id -> its unfinished sequences: in use while > 0
+        self._pending: SchedulerOutput[P] | None = None  # scheduled, not yet passed to update()
+        self._pending_requests: list[Request[P]] = []  # the requests behind _pending.scheduled, in order
+        self._finished: list[SequenceId] = []  # finished since the last output that scheduled something
         self.num_preemptions_total = 0  # preemptions since start
         self.prefix_cache_query_tokens = 0  # tokens of requests admitted (preempted ones again)
         self.prefix_cache_hit_tokens = 0  # of those, tokens found in the prefix cache
 
     # -- requests in and out ---------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request[P]) -> None:
         """Queue a new request at the back of the waiting queue.
 
         Raises ValueError for an empty prompt, a prompt of ``max_model_len`` tokens or more, a
-        request id already in use, ``max_tokens`` < 1, or ``n`` outside ``1..max_num_seqs``.
+        request id in use (by any unfinished sequence of an earlier request), ``max_tokens`` < 1,
+        ``n`` outside ``1..max_num_seqs``, or a ``sample_index`` other than 0 (forks are the
+        scheduler's to make).
         """
         rid = request.request_id
         num_prompt = len(request.prompt_token_ids)
@@ -113,33 +131,39 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.stop.max_tokens}")
         if not 1 <= request.n <= self.max_num_seqs:
             raise ValueError(f"request {rid!r}: n={request.n} must be in 1..max_num_seqs={self.max_num_seqs}")
-        ids = [rid] + [f"{rid}#{i}" for i in range(1, request.n)]
-        taken = [i for i in ids if i in self._requests or self._is_future_fork_id(i)]
-        if taken:
-            raise ValueError(f"request id(s) {taken} already in use")
+        if request.sample_index != 0 or request.forked:
+            raise ValueError(f"request {rid!r}: only the scheduler forks (sample_index {request.sample_index})")
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} already in use")
         request.status = RequestStatus.WAITING
-        self._requests[rid] = request
+        self._requests[request.seq_id] = request
+        self._live[rid] = 1
         self.waiting.append(request)
 
-    def _is_future_fork_id(self, request_id: str) -> bool:
-        """True for ``"<id>#<i>"`` when request ``<id>`` will still fork into an ``i``-th sequence."""
-        base, sep, index = request_id.rpartition("#")
-        parent = self._requests.get(base) if sep and index.isdigit() else None
-        return parent is not None and not parent.forked and 0 < int(index) < parent.n
+    def get_request(self, seq_id: SequenceId) -> Request[P] | None:
+        """The unfinished sequence with this id, or None."""
+        return self._requests.get(seq_id)
 
-    def get_request(self, request_id: str) -> Request | None:
-        """The unfinished request with this id, or None."""
-        return self._requests.get(request_id)
+    def finish(self, finishes: EngineFinishes) -> list[Request[P]]:
+        """Apply the finishes the engine decided (stop strings found in the text, aborts); free
+        their blocks at once.
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request from outside (a stop string found in the text, an abort); free its blocks.
+        :return: the sequences finished by this call (ids no longer unfinished are skipped).
+        """
+        done = [r for sid in finishes.stopped if (r := self.finish_request(sid, RequestStatus.FINISHED_STOPPED))]
+        for request_id in finishes.aborted:
+            done += self.abort_group(request_id)
+        return done
+
+    def finish_request(self, seq_id: SequenceId, status: RequestStatus) -> Request[P] | None:
+        """End one sequence from outside (a stop string found in the text, an abort); free its blocks.
 
         :param status: a ``FINISHED_*`` status.
-        :return: the request, or None when no unfinished request has this id.
+        :return: the sequence, or None when no unfinished sequence has this id.
         """
         if not status.finished:
             raise ValueError(f"finish_request needs a finished status, got {status}")
-        request = self._requests.get(request_id)
+        request = self._requests.get(seq_id)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
@@ -149,28 +173,39 @@ class Scheduler:
         self._finish(request, status)
         return request
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Abort one request (waiting or running); its forks, having their own ids, are untouched."""
-        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, seq_id: SequenceId) -> Request[P] | None:
+        """Abort one sequence (waiting or running); the other samples of its request are untouched."""
+        return self.finish_request(seq_id, RequestStatus.FINISHED_ABORTED)
 
-    def abort_group(self, request_id: str) -> list[Request]:
-        """Abort a request and every fork of it (``"<id>#<i>"``, ``parent_id == request_id``)."""
-        ids = [rid for rid, r in self._requests.items() if rid == request_id or r.parent_id == request_id]
-        aborted = [self.abort_request(rid) for rid in ids]
+    def abort_group(self, request_id: str) -> list[Request[P]]:
+        """Abort every unfinished sequence of request ``request_id`` (the request and its forks)."""
+        if request_id not in self._live:
+            return []
+        ids = [sid for sid in self._requests if sid.request_id == request_id]
+        aborted = [self.abort_request(sid) for sid in ids]
         return [r for r in aborted if r is not None]
 
-    def abort_all(self) -> list[Request]:
-        """Abort every unfinished request and forget a scheduled step that never reached ``update()``
+    def abort_all(self) -> list[Request[P]]:
+        """Abort every unfinished sequence and forget a scheduled step that never reached ``update()``
         (the model raised): afterwards the scheduler is empty and ready for new requests."""
-        aborted = [self.abort_request(rid) for rid in list(self._requests)]
+        aborted = [self.abort_request(sid) for sid in list(self._requests)]
         self._pending = None
+        self._pending_requests = []
         return [r for r in aborted if r is not None]
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark finished, free the blocks, forget the request (the caller dequeues it)."""
+    def _finish(self, request: Request[P], status: RequestStatus) -> None:
+        """Mark finished, free the blocks, forget the sequence (the caller dequeues it)."""
         request.status = status
         self.kv_cache_manager.free(request)
-        del self._requests[request.request_id]
+        seq_id = request.seq_id
+        del self._requests[seq_id]
+        self._finished.append(seq_id)
+        rid = seq_id.request_id
+        left = self._live[rid] - 1
+        if left:
+            self._live[rid] = left
+        else:
+            del self._live[rid]
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -200,7 +235,7 @@ class Scheduler:
         bs = self.block_size
         slots = stored = 0
         for r in self.running:
-            slots += len(self.kv_cache_manager.block_ids(r.request_id)) * bs
+            slots += len(self.kv_cache_manager.block_ids(r.seq_id)) * bs
             stored += r.num_computed_tokens
         return slots, stored
 
@@ -211,13 +246,19 @@ class Scheduler:
         return (slots - stored) / slots if slots else 0.0
 
     @staticmethod
-    def _seats(request: Request) -> int:
+    def _seats(request: Request[P]) -> int:
         """Running slots a request takes: ``n`` until it forks, then 1 per sequence."""
         return request.n if request.n > 1 and not request.forked else 1
 
-    def _num_samples(self, request: Request, end: int) -> int:
-        """Tokens to sample after computing up to ``end``: 0 mid-prompt, ``n`` at a fork, else 1."""
-        return 0 if end < request.num_tokens else self._seats(request)
+    @staticmethod
+    def _samples(request: Request[P], end: int) -> tuple[Sample[P], ...]:
+        """Samples to take after computing up to ``end``: none mid-prompt, ``n`` at a fork, else the
+        sequence's own (built once: no allocation in the common case)."""
+        if end < request.num_tokens:
+            return ()
+        if request.n > 1 and not request.forked:
+            return request.samples + tuple(request.make_sample(k) for k in range(1, request.n))
+        return request.samples
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens a request with ``remaining`` tokens to compute may compute this step."""
@@ -225,7 +266,7 @@ class Scheduler:
             remaining = self.long_prefill_token_threshold
         return min(remaining, budget)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request[P]) -> None:
         """Preemption by recompute: free the blocks, restart from token 0 at the front of the queue.
 
         The output tokens are kept; the request later recomputes prompt + outputs (hitting its own
@@ -240,7 +281,7 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[P]:
         """Pick this step's requests and tokens; allocate their blocks.
 
         Raises RuntimeError when the previous non-empty output was not passed to ``update`` yet.
@@ -262,25 +303,38 @@ class Scheduler:
         #    request that cannot get blocks (or seats, or, without chunking, its whole prompt in the
         #    budget) stays waiting and blocks the queue behind it: no preemption on its behalf.
         # A chunk that reaches num_tokens samples: 1 token, or n the first time a request with n > 1
-        # gets there (update() forks it). num_computed_tokens advances here, optimistically.
+        # gets there (update() forks it into the sequences its samples name). num_computed_tokens
+        # advances here, optimistically.
         if self._pending is not None:
             raise RuntimeError("schedule() called before update() got the previous step's output")
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
-        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, preempted)
+        scheduled: list[ScheduledChunk[P]] = []
+        requests: list[Request[P]] = []
+        preempted: list[SequenceId] = []
+        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, requests, preempted)
         if not preempted:  # admitting now would hand the blocks just freed to someone else
-            budget = self._schedule_waiting(budget, scheduled)
+            budget = self._schedule_waiting(budget, scheduled, requests)
+        finished: list[SequenceId] = []
+        if scheduled:  # an empty output reaches no runner: keep the finishes for the next one
+            finished, self._finished = self._finished, finished
         output = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             block_copies=self.kv_cache_manager.take_block_copies(),
             preempted_ids=preempted,
+            finished_seq_ids=finished,
         )
         if scheduled:
             self._pending = output
+            self._pending_requests = requests
         return output
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: list[ScheduledChunk[P]],
+        requests: list[Request[P]],
+        preempted: list[SequenceId],
+    ) -> int:
         """Step 1 of ``schedule()``: running requests, preempting from the tail. Returns the budget left."""
         kv = self.kv_cache_manager
         i = 0
@@ -291,16 +345,19 @@ class Scheduler:
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted.append(victim.seq_id)
                 if victim is request:
                     return budget
                 block_ids = kv.allocate_slots(request, num_new)
             scheduled.append(self._advance(request, num_new, block_ids))
+            requests.append(request)
             budget -= num_new
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledChunk[P]], requests: list[Request[P]]
+    ) -> int:
         """Step 2 of ``schedule()``: admit waiting requests in FIFO order. Returns the budget left."""
         kv = self.kv_cache_manager
         seats = sum(self._seats(r) for r in self.running)
@@ -326,56 +383,53 @@ class Scheduler:
             self.running.append(request)
             seats += self._seats(request)
             scheduled.append(self._advance(request, num_new, block_ids))
+            requests.append(request)
             budget -= num_new
         return budget
 
-    def _advance(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    def _advance(self, request: Request[P], num_new: int, block_ids: list[int]) -> ScheduledChunk[P]:
         """Describe the request's chunk and advance its ``num_computed_tokens`` past it."""
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end
-        return ScheduledRequest(
-            request=request,
+        return ScheduledChunk(
+            seq_id=request.seq_id,
             token_ids=_token_slice(request, start, end),
             start_position=start,
             block_ids=block_ids,
-            num_samples=self._num_samples(request, end),
+            samples=self._samples(request, end),
         )
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Take the step's sampled tokens: append, fork, check stop conditions, free finished requests.
+    def update(self, output: SchedulerOutput[P], sampled: Mapping[SequenceId, int]) -> list[Request[P]]:
+        """Take the step's sampled tokens: append, fork, check stop conditions, free finished sequences.
 
         :param output: the output of the last ``schedule()``.
-        :param sampled: for each request id scheduled with ``num_samples`` > 0, exactly that many
-            token ids (sample ``i`` of a fork goes to sequence ``"<id>#<i>"``, sample 0 to the
-            request itself). Requests finished or aborted since ``schedule()`` are skipped.
-        :return: the requests that got a token this step, new forks included, in schedule order;
+        :param sampled: one token id for every sample of the output, keyed by the sample's
+            ``seq_id`` (at a fork, sample ``k`` starts the new sequence ``(request_id, k)``).
+            Sequences finished or aborted since ``schedule()`` are skipped.
+        :return: the sequences that got a token this step, new forks included, in schedule order;
             those that finished have a finished status (and hold no blocks any more).
         """
         if output is not self._pending and output.scheduled:
             raise RuntimeError("update() needs the output of the last schedule()")
+        requests = self._pending_requests if output.scheduled else []
         self._pending = None
+        self._pending_requests = []
         kv = self.kv_cache_manager
-        changed: list[Request] = []
+        changed: list[Request[P]] = []
         any_finished = False
-        for s in output.scheduled:
-            request = s.request
+        for s, request in zip(output.scheduled, requests, strict=True):
             if request.is_finished:  # finished or aborted while the step ran
                 continue
             kv.cache_computed_blocks(request)  # the step ran: these blocks are computed now
-            if s.num_samples == 0:
+            samples = s.samples
+            if not samples:
                 continue
-            tokens = sampled.get(request.request_id)
-            if tokens is None:
-                raise ValueError(f"no sampled tokens for request {request.request_id!r}")
-            if len(tokens) != s.num_samples:
-                raise ValueError(
-                    f"request {request.request_id!r} was to sample {s.num_samples} token(s), got {len(tokens)}"
-                )
+            token = _sampled_token(sampled, request.seq_id)
             group = [request]
-            if s.num_samples > 1:
-                group += self._fork(request, tokens[1:])
-            request.output_token_ids.append(tokens[0])
+            if len(samples) > 1:
+                group += self._fork(request, [_sampled_token(sampled, x.seq_id) for x in samples[1:]])
+            request.output_token_ids.append(token)
             for r in group:
                 changed.append(r)
                 status = self._stop_status(r)
@@ -386,23 +440,23 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return changed
 
-    def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
+    def _fork(self, parent: Request[P], first_tokens: list[int]) -> list[Request[P]]:
         """Fork ``parent`` into ``len(first_tokens)`` more sequences sharing its blocks.
 
-        Child ``i`` (``"<id>#<i>"``) starts with the parent's outputs plus ``first_tokens[i - 1]`` and
-        runs right behind the parent.
+        Child ``i`` (sequence ``(request_id, i)``) starts with the parent's outputs plus
+        ``first_tokens[i - 1]`` and runs right behind the parent.
         """
         parent.forked = True
-        children: list[Request] = []
+        children: list[Request[P]] = []
         for i, token in enumerate(first_tokens, start=1):
             child = Request(
-                request_id=f"{parent.request_id}#{i}",
+                request_id=parent.request_id,
                 prompt_token_ids=parent.prompt_token_ids,  # never mutated: safe to share
                 stop=dataclasses.replace(parent.stop),
+                params=parent.params,
+                seed=parent.seed,
                 n=1,
                 sample_index=i,
-                parent_id=parent.request_id,
-                params=parent.params,
                 output_token_ids=[*parent.output_token_ids, token],
                 num_computed_tokens=parent.num_computed_tokens,
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
@@ -410,16 +464,17 @@ class Scheduler:
                 arrival_time=parent.arrival_time,
                 forked=True,
             )
-            if child.request_id in self._requests:
-                raise RuntimeError(f"fork id {child.request_id!r} is already in use")
+            if child.seq_id in self._requests:
+                raise RuntimeError(f"fork {child.seq_id} is already in use")
             self.kv_cache_manager.fork(parent, child)
-            self._requests[child.request_id] = child
+            self._requests[child.seq_id] = child
+            self._live[child.request_id] += 1
             children.append(child)
         at = self.running.index(parent) + 1
         self.running[at:at] = children
         return children
 
-    def _stop_status(self, request: Request) -> RequestStatus | None:
+    def _stop_status(self, request: Request[P]) -> RequestStatus | None:
         """The finished status the last appended token leads to, or None to keep going.
 
         Stop and eos tokens count only from output index ``min_tokens`` on, and win over the

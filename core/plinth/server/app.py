@@ -1,25 +1,28 @@
-"""The FastAPI application: shared state, authentication, and the small routes (models, health,
-version, metrics, tokenize, detokenize). Generation routes live in ``openai_api`` and ``anthropic_api``.
+"""The FastAPI application: the small routes (models, health, version, metrics, tokenize,
+detokenize) and :func:`build_app`, which puts them together with the generation routes of
+``openai_api`` and ``anthropic_api``, the request gate and the error handlers.
+
+Every route but ``/health`` and ``/version`` needs the API key when one is set (``/metrics`` too,
+unless ``--public-metrics``): the tokenizer routes do real work for whoever calls them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import secrets
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
 
 import plinth
+from plinth.server.anthropic_api import router as anthropic_router
 from plinth.server.async_engine import AsyncEngine
-from plinth.server.errors import APIError, install_error_handlers
+from plinth.server.errors import install_error_handlers
+from plinth.server.gate import RequestGate
 from plinth.server.metrics import ServerMetrics
+from plinth.server.openai_api import router as openai_router
+from plinth.server.openapi import ERRORS, describe
 from plinth.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -28,170 +31,120 @@ from plinth.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from plinth.server.state import ServerSettings, ServerState, get_state, require_api_key
+
+__all__ = ["ServerSettings", "ServerState", "build_app"]
+
+protected = APIRouter(dependencies=[Depends(require_api_key)])
+public = APIRouter()
 
 
-class ServerSettings(BaseModel):
-    """What ``plinth serve`` decides about the HTTP side (the engine has its own config)."""
-
-    served_model_names: list[str] = Field(..., min_length=1, description="names clients may ask for; first is main")
-    model_root: str = Field("", description="where the model came from (shown by /v1/models)")
-    api_key: str | None = Field(None, description="required as 'Authorization: Bearer KEY' on /v1 routes")
-    max_output_tokens: int | None = Field(None, ge=1, description="clamp every request's max_tokens to this")
+def _card(st: ServerState, name: str) -> ModelCard:
+    # root is the served name, never the model's file path (which tells a caller about the host)
+    return ModelCard(id=name, created=st.created, root=name, max_model_len=st.max_model_len)
 
 
-@dataclass
-class ServerState:
-    """Everything a route needs, hung on ``app.state.plinth``."""
-
-    engine: AsyncEngine
-    settings: ServerSettings
-    metrics: ServerMetrics
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        tokenizer = self.engine.engine.tokenizer
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(
-            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
-        )
-
-    @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer (thread-safe for encode/decode)."""
-        return self.engine.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        """The context length."""
-        return self.engine.engine.max_model_len
-
-    def model_name(self, requested: str | None) -> str:
-        """The served name to answer with; 404 for a model this server does not serve."""
-        names = self.settings.served_model_names
-        if not requested:
-            return names[0]
-        if requested not in names:
-            raise APIError(404, f"the model {requested!r} does not exist; this server serves {names}", param="model")
-        return requested
-
-    def max_tokens(self, requested: int | None) -> int | None:
-        """``requested`` clamped to the server's ``max_output_tokens`` (the default when None)."""
-        cap = self.settings.max_output_tokens
-        if cap is None:
-            return requested
-        return cap if requested is None else min(requested, cap)
-
-    def check_n(self, n: int) -> None:
-        """400 when ``n`` exceeds the sequences the engine runs at once."""
-        limit = self.engine.engine.config.max_num_seqs
-        if n > limit:
-            raise APIError(400, f"n={n} exceeds this server's max_num_seqs={limit}", param="n")
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        """400 when a token id is outside the vocabulary."""
-        vocab = self.engine.engine.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param=param)
-
-
-def get_state(request: Request) -> ServerState:
-    """The server state of the app serving ``request``."""
-    state: ServerState = request.app.state.plinth
-    return state
-
-
-def require_api_key(request: Request) -> None:
-    """Dependency of the /v1 routes: ``Authorization: Bearer KEY`` (or ``x-api-key``), else 401."""
-    key = get_state(request).settings.api_key
-    if key is None:
-        return
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-    if not given or not secrets.compare_digest(given.encode(), key.encode()):
-        raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
-
-
-v1 = APIRouter(dependencies=[Depends(require_api_key)])
-misc = APIRouter()
-
-
-@v1.get("/v1/models", response_model=ModelList)
+@protected.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
     """The served model names."""
     st = get_state(request)
-    root = st.settings.model_root
-    cards = [
-        ModelCard(id=n, created=st.created, root=root, max_model_len=st.max_model_len)
-        for n in st.settings.served_model_names
-    ]
-    return ModelList(data=cards)
+    return ModelList(data=[_card(st, n) for n in st.settings.served_model_names])
 
 
-@misc.get("/health")
+@protected.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    """One served model; 404 for a name this server does not serve."""
+    st = get_state(request)
+    return _card(st, st.model_name(model_id))
+
+
+@public.get("/health", responses={200: {"description": "serving"}, 503: {"description": "draining or stopped"}})
 async def health(request: Request) -> Response:
-    """200 while the engine loop is alive, 503 otherwise."""
-    alive = get_state(request).engine.is_running
-    return Response(status_code=200 if alive else 503)
+    """200 while the engine loop is alive and the server is not draining, 503 otherwise."""
+    st = get_state(request)
+    return Response(status_code=200 if st.engine.is_running and not st.draining else 503)
 
 
-@misc.get("/version")
+@public.get("/version")
 async def version() -> dict[str, str]:
     """The plinth version."""
     return {"version": plinth.__version__}
 
 
-@misc.get("/metrics")
+async def _metrics_access(request: Request) -> None:
+    if not get_state(request).settings.public_metrics:
+        require_api_key(request)
+
+
+@public.get(
+    "/metrics",
+    dependencies=[Depends(_metrics_access)],
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}, **ERRORS},
+)
 async def metrics(request: Request) -> Response:
-    """Prometheus metrics."""
+    """Prometheus metrics (behind the API key unless ``--public-metrics``)."""
     from prometheus_client import CONTENT_TYPE_LATEST
 
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@misc.post("/tokenize", response_model=TokenizeResponse)
+@protected.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """Token ids of a prompt, or of chat messages rendered with the chat template."""
     st = get_state(request)
     st.model_name(body.model)
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = st.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        ids = st.tokenizer.encode(text, add_special_tokens=False)
+        messages = [m.template_message() for m in body.messages]
+        ids = await st.chat_prompt(messages, "messages", body.add_generation_prompt)
     else:
-        ids = st.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        ids = await st.encode(body.prompt or "", "prompt", body.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=st.max_model_len, tokens=ids)
 
 
-@misc.post("/detokenize", response_model=DetokenizeResponse)
+@protected.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     """The text of token ids."""
     st = get_state(request)
     st.model_name(body.model)
     st.check_token_ids(body.tokens, "tokens")
-    return DetokenizeResponse(prompt=st.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await st.decode(body.tokens))
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The application serving ``engine``; the engine thread starts and stops with the app's lifespan."""
-    from plinth.server.anthropic_api import router as anthropic_router
-    from plinth.server.openai_api import router as openai_router
+def build_app(engine: AsyncEngine, settings: ServerSettings, on_start: Any = None) -> FastAPI:
+    """The application serving ``engine``; the engine thread starts and stops with the app's lifespan.
+
+    :param on_start: called with the running loop once the engine started (``plinth serve``
+        binds its shutdown drain there).
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        if on_start is not None:
+            import asyncio
+
+            on_start(asyncio.get_running_loop())
         try:
             yield
         finally:
             await engine.shutdown()
 
-    app = FastAPI(title="plinth", version=plinth.__version__, lifespan=lifespan)
-    app.state.plinth = ServerState(
-        engine=engine, settings=settings, metrics=ServerMetrics(lambda: engine.stats, settings.served_model_names[0])
+    docs = settings.enable_docs
+    app = FastAPI(
+        title="plinth",
+        version=plinth.__version__,
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
     )
+    metrics = ServerMetrics(lambda: engine.stats, settings.served_model_names[0], vllm_names=settings.vllm_metric_names)
+    state = ServerState(engine=engine, settings=settings, metrics=metrics)
+    app.state.plinth = state
     install_error_handlers(app)
-    app.include_router(v1)
+    app.include_router(protected)
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
     app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])
-    app.include_router(misc)
+    app.include_router(public)
+    app.add_middleware(RequestGate, state=lambda: state)
+    describe(app)
     return app

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _AbortAll:
+    """End every request with :class:`EngineStopped` (``reason``); the count goes to ``done``."""
+
+    reason: str
+    done: Callable[[int], None]
+
+
 class _Stop:
     """Sentinel command: abort what is left and end the engine thread."""
 
@@ -95,7 +103,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # touched on the loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -121,6 +129,25 @@ class AsyncEngine:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+
+    async def abort_all(self, reason: str) -> int:
+        """End every request now, each consumer getting :class:`EngineStopped` (``reason``), and
+        refuse new ones: the drain's deadline. The number of engine requests ended."""
+        self._stopping = True
+        if self._thread is None or self._loop is None:
+            return 0
+        loop = self._loop
+        done: asyncio.Future[int] = loop.create_future()
+
+        def settle(n: int) -> None:
+            if not done.done():
+                done.set_result(n)
+
+        def resolve(n: int) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(settle, n)
+
+        self._commands.put(_AbortAll(reason, resolve))
+        return await done
 
     @property
     def is_running(self) -> bool:
@@ -208,6 +235,10 @@ class AsyncEngine:
                 return True
             if isinstance(command, _Abort):
                 engine.abort_request(command.request_id)
+            elif isinstance(command, _AbortAll):
+                aborted = engine.abort_all()
+                items.extend((rid, EngineStopped(command.reason)) for rid in aborted)
+                command.done(len(aborted))
             else:
                 error = self._add(command)
                 if error is not None:

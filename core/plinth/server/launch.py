@@ -1,8 +1,8 @@
 """``plinth serve``: build the engine, then run the app under uvicorn until SIGTERM / Ctrl-C.
 
-Shutdown: uvicorn stops accepting connections, lets running requests finish for ``--drain-timeout``
-seconds, then cancels the rest (which aborts their engine requests); the app's lifespan then stops
-the engine thread and the process exits 0.
+Shutdown is :mod:`plinth.server.drain`'s: new requests get a JSON 503 at once, running ones get
+``--drain-timeout`` seconds, the rest end with an in-band error (streams) or a JSON 503; the exit
+status is 0 when everything drained, 1 when requests were cut. A second signal cuts at once.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
+from typing import Any
 
 from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options
+from plinth.server.state import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,36 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use (first is main)")
     p.add_argument("--max-waiting", type=int, default=None, help="reject (503) new requests beyond N queued ones")
     p.add_argument("--max-output-tokens", type=int, default=None, help="clamp every request's max_tokens to N")
-    p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds running requests get on shutdown")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish on SIGTERM/SIGINT before they end with an error (default: 10)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"refuse (413) request bodies larger than this (default: {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    p.add_argument(
+        "--max-request-sequences",
+        type=int,
+        default=None,
+        help="refuse (400) a request of more than N sequences, prompts x n (default: --max-num-seqs)",
+    )
+    p.add_argument(
+        "--public-metrics", action="store_true", help="serve /metrics without the API key (for Prometheus scrapers)"
+    )
+    p.add_argument("--enable-docs", action="store_true", help="serve the Swagger UI at /docs (loads it from a CDN)")
+    p.add_argument(
+        "--no-vllm-metric-names", action="store_true", help="export metrics only as plinth:*, not also as vllm:*"
+    )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until a signal; the exit status (0 after a graceful shutdown)."""
+    """Serve until a signal; the exit status (0 when every request drained, 1 when some were cut)."""
     import uvicorn
 
     from plinth.config import EngineConfig
@@ -49,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from plinth.runtime.engine import LLMEngine
     from plinth.server.app import ServerSettings, build_app
     from plinth.server.async_engine import AsyncEngine
+    from plinth.server.drain import CUT_GRACE_S, Drain, DrainingServer
     from plinth.startup import start_up_done
 
     cache = {"num_kv_blocks": args.num_kv_blocks, "kv_cache_memory_gb": args.kv_cache_memory_gb}
@@ -60,26 +86,30 @@ def run_serve(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model or source.path.stem],
-        model_root=str(source.path),
         api_key=args.api_key or os.environ.get("PLINTH_API_KEY") or None,
         max_output_tokens=args.max_output_tokens,
+        max_request_bytes=args.max_request_bytes,
+        max_request_sequences=args.max_request_sequences,
+        public_metrics=args.public_metrics,
+        enable_docs=args.enable_docs,
+        vllm_metric_names=not args.no_vllm_metric_names,
     )
     engine = AsyncEngine(LLMEngine(config), max_waiting=args.max_waiting)
-    app = build_app(engine, settings)
+    holder: dict[str, Any] = {}
+    app = build_app(engine, settings, on_start=lambda loop: holder["drain"].bind(loop))
     start_up_done()  # `plinth serve` paused the cyclic GC for start-up (plinth.startup)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level="info" if args.verbose_log else "warning",
             access_log=args.access_log,
-            timeout_graceful_shutdown=max(args.drain_timeout, 0.0),
+            # only a backstop: the drain has ended every request before uvicorn's shutdown starts
+            timeout_graceful_shutdown=int(CUT_GRACE_S),
         )
     )
-    # uvicorn re-raises the signal it caught after its graceful shutdown; with the default SIGTERM
-    # disposition that kills the process (-15). A handler of our own makes the re-raise a no-op.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    drain = holder["drain"] = server.drain = Drain(app.state.plinth, args.drain_timeout, server.exit_now)
     e = engine.engine
     print(
         f"plinth: serving {settings.served_model_names[0]} on http://{args.host}:{args.port} "
@@ -88,5 +118,13 @@ def run_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     server.run()
-    print("plinth: server stopped", file=sys.stderr, flush=True)
-    return 0
+    if drain.clean is False:
+        print(
+            f"plinth: server stopped; {drain.num_cut} request(s) did not finish within --drain-timeout "
+            f"{args.drain_timeout:g} s and ended with an error",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print("plinth: server stopped", file=sys.stderr, flush=True)
+    return drain.exit_code

@@ -21,6 +21,22 @@ from plinth.server.async_engine import EngineStats
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+#: the routes counted by name in http_requests_total; any other path is "other" (bounded label values)
+HTTP_HANDLERS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+        "/version",
+    }
+)
 
 
 class _EngineCollector(Collector):
@@ -61,9 +77,12 @@ class ServerMetrics:
 
     :param stats: returns the latest engine snapshot (called at scrape time).
     :param model_name: the ``model_name`` label of every metric.
+    :param vllm_names: export every metric a second time under vLLM's ``vllm:`` prefix, so a
+        dashboard built for vLLM works unchanged.
     """
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, vllm_names: bool = False) -> None:
+        self.vllm_names = vllm_names
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self.registry.register(_EngineCollector(stats, labels))
@@ -82,15 +101,45 @@ class ServerMetrics:
         self.e2e = Histogram(
             "plinth:e2e_request_latency_seconds", "Arrival to finish.", names, buckets=_E2E_BUCKETS, registry=reg
         )
+        self.decode_time = Histogram(
+            "plinth:request_decode_time_seconds",
+            "First token to finish.",
+            names,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        )
+        self.request_prompt_tokens = Histogram(
+            "plinth:request_prompt_tokens", "Prompt tokens per request.", names, buckets=_TOKEN_BUCKETS, registry=reg
+        )
+        self.request_generation_tokens = Histogram(
+            "plinth:request_generation_tokens",
+            "Generated tokens per request.",
+            names,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        # unprefixed, like the one vLLM's server exports (prometheus-fastapi-instrumentator's name)
+        self.http_requests = Counter(
+            "http_requests", "HTTP requests by route, method and status class.", ["handler", "method", "status"],
+            registry=reg,
+        )  # fmt: skip
         self._label = model_name
+
+    def count_http(self, path: str, method: str, status: int) -> None:
+        """Count one answered HTTP request."""
+        handler = path if path in HTTP_HANDLERS or path.startswith("/v1/models/") else "other"
+        if handler.startswith("/v1/models/"):
+            handler = "/v1/models/{model_id}"
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
 
     def tracker(self) -> RequestTracker:
         """A tracker for one engine request."""
         return RequestTracker(self)
 
     def render(self) -> bytes:
-        """The registry in the Prometheus text format."""
-        return generate_latest(self.registry)
+        """The registry in the Prometheus text format (then again as ``vllm:`` when asked)."""
+        text = generate_latest(self.registry)
+        return text + text.replace(b"plinth:", b"vllm:") if self.vllm_names else text
 
 
 class RequestTracker:
@@ -126,6 +175,10 @@ class RequestTracker:
                 m.request_success.labels(label, c.finish_reason or "abort").inc()
             end = metrics.finished_time or time.monotonic()
             m.e2e.labels(label).observe(end - metrics.arrival_time)
+            if metrics.first_token_time is not None:
+                m.decode_time.labels(label).observe(end - metrics.first_token_time)
+            m.request_prompt_tokens.labels(label).observe(metrics.num_prompt_tokens)
+            m.request_generation_tokens.labels(label).observe(num_tokens)
 
     def close(self) -> None:
         """The request ended: one that started but did not finish counts as aborted."""

@@ -8,10 +8,10 @@ event before ``data: [DONE]``.
 
 from __future__ import annotations
 
-import asyncio
+import codecs
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,8 +19,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from plinth.runtime.outputs import RequestOutput, TokenLogprob
 from plinth.sampling_params import SamplingParams
-from plinth.server.app import ServerState, get_state
-from plinth.server.errors import as_api_error, error_body
+from plinth.server.errors import APIError, as_api_error, error_body
+from plinth.server.openapi import ERRORS
 from plinth.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -35,6 +35,7 @@ from plinth.server.protocol import (
     TopLogprob,
     Usage,
 )
+from plinth.server.state import ServerState, engine_outputs, get_state
 from plinth.server.streams import (
     ChoiceCursor,
     ClientDisconnected,
@@ -44,33 +45,11 @@ from plinth.server.streams import (
     merge,
     sse,
     start_streams,
-    stop_holdback,
 )
 
 router = APIRouter()
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "invalid request"},
-    401: {"description": "missing or wrong API key"},
-    404: {"description": "unknown model"},
-    503: {"description": "overloaded or shutting down"},
-}
 _DONE = "data: [DONE]\n\n"
-
-
-async def engine_outputs(
-    st: ServerState, request_id: str, prompt: str | list[int], params: SamplingParams
-) -> AsyncGenerator[RequestOutput, None]:
-    """The engine's outputs for one request, observed by the metrics; closing it aborts the request."""
-    tracker = st.metrics.tracker()
-    stream = st.engine.generate(request_id, prompt, params)
-    try:
-        async for out in stream:
-            tracker.observe(out)
-            yield out
-    finally:
-        tracker.close()
-        await stream.aclose()
 
 
 def _usage(outs: dict[int, RequestOutput]) -> Usage:
@@ -84,21 +63,27 @@ def _usage_from_counts(prompt: int, completion: int) -> dict[str, int]:
 
 
 def _completion_logprobs(st: ServerState, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """Legacy logprobs; ``offset``: the character where the first token starts. A token that ends
+    inside a multi-byte character is shown as OpenAI does (``"\\xf0\\x9f"``); offsets count the
+    characters completed before each token."""
+    tok = st.tokenizer
+    chars = codecs.getincrementaldecoder("utf-8")("replace")
     out = CompletionLogprobs()
     for lp in lps:
-        token = st.token_text(lp.token_id)
-        out.tokens.append(token)
+        out.tokens.append(tok.token_string(lp.token_id))
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({st.token_text(t): v for t, v in lp.top})
+        out.top_logprobs.append({tok.token_string(t): v for t, v in lp.top})
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(chars.decode(tok.token_bytes(lp.token_id)))
     return out
 
 
 def _chat_logprobs(st: ServerState, lps: list[TokenLogprob], top_n: int) -> ChatLogprobs:
+    tok = st.tokenizer
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = st.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        # each token's own bytes: an emoji split over 2 tokens is [240, 159, 152] + [128], not U+FFFD twice
+        return {"token": tok.token_string(token_id), "logprob": logprob, "bytes": list(tok.token_bytes(token_id))}
 
     return ChatLogprobs(
         content=[
@@ -113,24 +98,34 @@ def _chat_logprobs(st: ServerState, lps: list[TokenLogprob], top_n: int) -> Chat
 # -- completions --------------------------------------------------------------------------------------
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
 async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
     """OpenAI completions: one or more prompts, ``n`` completions each."""
     st = get_state(request)
     model = st.model_name(body.model)
     body.check_supported()
     prompts = body.prompts()
+    st.check_fan_out(len(prompts), body.n)  # before any prompt is tokenized
+    max_tokens = st.max_tokens(body.max_tokens)
+    params = body.sampling_params(max_tokens, body.logprobs)
+    prompt_ids: list[list[int]] = []
     for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
         if isinstance(p, list):
-            st.check_token_ids(p, "prompt" if len(prompts) == 1 else f"prompt.{i}")
-    params = body.sampling_params(st.max_tokens(body.max_tokens), body.logprobs)
-    st.check_n(params.n)
+            st.check_token_ids(p, param)
+            ids = p
+        else:
+            ids = await st.encode(p, param)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        st.check_context(len(ids), max_tokens, param, "max_tokens")
+        prompt_ids.append(ids)
     base = f"cmpl-{uuid.uuid4().hex}"
-    streams: Streams = {i: engine_outputs(st, f"{base}-{i}", p, params) for i, p in enumerate(prompts)}
+    streams: Streams = {i: engine_outputs(st, f"{base}-{i}", p, params) for i, p in enumerate(prompt_ids)}
     created = int(time.time())
     echo: dict[int, str] = {}
     if body.echo:
-        echo = {i: p if isinstance(p, str) else st.tokenizer.decode(p) for i, p in enumerate(prompts)}
+        echo = {i: p if isinstance(p, str) else await st.decode(p) for i, p in enumerate(prompts)}
     if body.stream:
         firsts = await start_streams(streams)
         gen = _completion_stream(st, body, params, base, model, created, echo, firsts, streams)
@@ -168,7 +163,6 @@ async def _completion_stream(
 ) -> AsyncIterator[str]:
     cursors: dict[int, ChoiceCursor] = {}
     prompt_tokens = {i: len(o.prompt_token_ids) for i, o in firsts.items()}
-    holdback = stop_holdback(params.stop)
     try:
         async for i, out in merge(firsts, streams):
             for c in out.outputs:
@@ -176,7 +170,7 @@ async def _completion_stream(
                 cursor = cursors.get(index)
                 prefix = ""
                 if cursor is None:
-                    cursor = cursors[index] = ChoiceCursor(holdback)
+                    cursor = cursors[index] = ChoiceCursor(params.stop)
                     prefix = echo.get(i, "")
                 delta = cursor.advance(c)
                 if delta is None and not prefix:
@@ -219,23 +213,18 @@ async def _completion_stream(
 # -- chat -----------------------------------------------------------------------------------------------
 
 
-async def chat_prompt(st: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Render messages with the chat template and tokenize (off the event loop: prompts can be long)."""
-    text = st.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    ids: list[int] = await asyncio.to_thread(st.tokenizer.encode, text, add_special_tokens=False)
-    return ids
-
-
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
     """OpenAI chat completions on the model's chat template."""
     st = get_state(request)
     model = st.model_name(body.model)
     body.check_supported()
+    st.check_fan_out(1, body.n)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(st.max_tokens(body.max_new_tokens), logprobs)
-    st.check_n(params.n)
-    prompt = await chat_prompt(st, body.template_messages(), body.add_generation_prompt)
+    max_tokens = st.max_tokens(body.max_new_tokens)
+    params = body.sampling_params(max_tokens, logprobs)
+    prompt = await st.chat_prompt(body.template_messages(), "messages", body.add_generation_prompt)
+    st.check_context(len(prompt), max_tokens, "messages", body.max_tokens_param)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     streams: Streams = {0: engine_outputs(st, base, prompt, params)}
     created = int(time.time())
@@ -275,7 +264,6 @@ async def _chat_stream(
 ) -> AsyncIterator[str]:
     head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model}
     cursors: dict[int, ChoiceCursor] = {}
-    holdback = stop_holdback(params.stop)
     top_n = body.top_logprobs or 0
     prompt_tokens = len(firsts[0].prompt_token_ids)
     try:
@@ -283,7 +271,7 @@ async def _chat_stream(
             for c in out.outputs:
                 cursor = cursors.get(c.index)
                 if cursor is None:  # a choice's first chunk carries the role
-                    cursor = cursors[c.index] = ChoiceCursor(holdback)
+                    cursor = cursors[c.index] = ChoiceCursor(params.stop)
                     role = {
                         "index": c.index,
                         "delta": {"role": "assistant", "content": ""},

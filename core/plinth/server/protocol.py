@@ -7,10 +7,22 @@ how the ``openai`` client sends its ``extra_body``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from plinth.model.tokenizer import check_text
 from plinth.sampling_params import MAX_LOGPROBS, SamplingParams
 from plinth.server.errors import APIError, invalid_parameter
 from plinth.validation import InvalidParameter
@@ -20,6 +32,14 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _INT32_MAX = 2**31 - 1
 MAX_PROMPTS = 256  # prompts in one batched completion request
 
+#: user text: a str that is valid Unicode (a lone surrogate, which JSON's "\ud800" allows, is a 400
+#: naming the field here, instead of a TypeError in the tokenizer or when the answer is encoded)
+Text = Annotated[str, AfterValidator(check_text)]
+#: numbers and flags are taken as JSON gives them: "10", "yes" and true-as-1 are refused, not coerced
+Int = StrictInt
+Bool = StrictBool
+Float = StrictFloat
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -28,33 +48,38 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
-    include_usage: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = Field(False, description="accepted and ignored")
 
 
 class SamplingFields(_Strict):
     """Sampling fields shared by completions and chat: OpenAI's, then plinth's extras."""
 
-    model: str | None = Field(None, description="a served model name; omitted: the default one")
-    n: int = Field(1, ge=1, le=64, description="completions per prompt")
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
-    stream: bool = False
+    model: Text | None = Field(None, description="a served model name; omitted: the default one")
+    n: Int = Field(1, ge=1, le=64, description="completions per prompt")
+    temperature: Float | None = Field(None, ge=0.0, le=100.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    stop: Text | list[Text] | None = None
+    seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description="accepted and ignored")
+    user: Text | None = Field(None, description="accepted and ignored")
     logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    # sent by real clients (the openai SDK, langchain, litellm): accepted and ignored
+    store: Bool | None = Field(None, description="accepted and ignored (nothing is stored)")
+    service_tier: Text | None = Field(None, description="accepted and ignored")
+    metadata: dict[str, Any] | None = Field(None, description="accepted and ignored")
     # plinth extras (the openai client's extra_body)
-    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0, le=_INT32_MAX)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=1024)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    top_k: Int | None = Field(None, ge=-1, le=_INT32_MAX)
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: Int = Field(0, ge=0, le=_INT32_MAX)
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = Field(None, max_length=1024)
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; a rejected value is a 400 naming the field."""
@@ -85,7 +110,11 @@ class SamplingFields(_Strict):
         try:
             return SamplingParams(**fields)
         except InvalidParameter as exc:
-            raise invalid_parameter(exc) from None
+            raise invalid_parameter(exc, {"max_tokens": self._max_tokens_field}) from None
+
+    @property
+    def _max_tokens_field(self) -> str:
+        return "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -99,12 +128,12 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a prompt (string, strings, token ids or lists of them)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="one prompt or a batch")
-    max_tokens: int | None = Field(16, ge=1, le=_INT32_MAX)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-n logprobs per token")
-    echo: bool = Field(False, description="prepend the prompt to the text")
-    best_of: int | None = Field(None, ge=1, description="not supported beyond n")
-    suffix: str | None = Field(None, description="not supported")
+    prompt: Text | list[Text] | list[Int] | list[list[Int]] = Field(..., description="one prompt or a batch")
+    max_tokens: Int | None = Field(16, ge=1, le=_INT32_MAX)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-n logprobs per token")
+    echo: Bool = Field(False, description="prepend the prompt to the text")
+    best_of: Int | None = Field(None, ge=1, description="not supported beyond n")
+    suffix: Text | None = Field(None, description="not supported")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch, in order."""
@@ -174,15 +203,51 @@ class TextPart(_Strict):
     """A text content part (the only kind plinth's text models take)."""
 
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+class FunctionCall(_Strict):
+    """The function an assistant called: its name and JSON-encoded arguments."""
+
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant turn (history sent back by the client)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Strict):
-    """One chat message; ``content`` is a string or a list of text parts."""
+    """One chat message; ``content`` is a string or a list of text parts.
+
+    An assistant turn may carry the ``tool_calls`` it made, a ``tool`` turn the ``tool_call_id`` it
+    answers (OpenAI's shape): both are passed to the chat template, which decides how to render them.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = Field(None, description="the participant's name (passed to the template)")
+    tool_calls: list[ToolCall] | None = Field(None, validate_default=True)
+    tool_call_id: Text | None = Field(None, validate_default=True)
+
+    # field validators (not one on the model), so the error's param names the field
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_of_assistants(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_of_tools(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not value:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return value
 
     def text(self) -> str:
         """The message's text (text parts joined)."""
@@ -192,25 +257,39 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def template_message(self) -> dict[str, Any]:
+        """The message as a chat template takes it (``developer`` is a system message)."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=_INT32_MAX, description="deprecated: max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32_MAX)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    max_tokens: Int | None = Field(None, ge=1, le=_INT32_MAX, description="deprecated: max_completion_tokens")
+    max_completion_tokens: Int | None = Field(None, ge=1, le=_INT32_MAX)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: Bool = True
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none'")
+    tool_choice: Text | dict[str, Any] | None = Field(None, description="only 'none'")
+    parallel_tool_calls: Bool | None = Field(None, description="accepted and ignored (no tools)")
+    reasoning_effort: Text | None = Field(None, description="accepted and ignored")
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs: true")
-        return self
+        return value
 
     def check_supported(self) -> None:
         """Raise a 400 for OpenAI features plinth does not implement."""
@@ -221,9 +300,18 @@ class ChatCompletionRequest(SamplingFields):
         if self.response_format and self.response_format.get("type") != "text":
             raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them (``developer`` is a system message)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.template_message() for m in self.messages]
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The name of the field the output limit came from (for errors)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def _max_tokens_field(self) -> str:
+        return self.max_tokens_param
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -285,11 +373,11 @@ class ChatCompletionResponse(BaseModel):
 class TokenizeRequest(_Strict):
     """``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered with the template."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
 
     @model_validator(mode="after")
     def _exactly_one(self) -> TokenizeRequest:
@@ -309,8 +397,8 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(_Strict):
     """``POST /detokenize``: token ids to text."""
 
-    model: str | None = None
-    tokens: list[int] = Field(..., max_length=1 << 20)
+    model: Text | None = None
+    tokens: list[Int] = Field(..., max_length=1 << 20)
 
 
 class DetokenizeResponse(BaseModel):

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -166,12 +166,13 @@ class Delta:
 class ChoiceCursor:
     """How much of one completion was already streamed.
 
-    Text that could be the start of a stop string is held back until the completion moves past it
-    (the engine finds a stop string only once it is whole, then cuts the text before it): what was
-    streamed is always a prefix of the final text.
+    Text that could still be the start of a stop string (a suffix of the text that is a prefix of
+    one) is held back until the completion moves past it; the engine finds a stop string only once
+    it is whole, then cuts the text before it, so what was streamed is always a prefix of the final
+    text. Text that cannot begin a stop string is sent at once, however long the stop strings are.
     """
 
-    holdback: int = 0
+    stops: list[str] = field(default_factory=list)
     chars: int = 0
     tokens: int = 0
     logprobs: int = 0
@@ -181,7 +182,7 @@ class ChoiceCursor:
         """The delta of ``c`` since the last call; None when there is nothing new to send."""
         if self.finished:
             return None
-        end = len(c.text) if c.finished else max(self.chars, len(c.text) - self.holdback)
+        end = len(c.text) if c.finished else max(self.chars, len(c.text) - partial_stop(c.text, self.stops))
         text = c.text[self.chars : end]
         self.chars = max(self.chars, end)
         self.tokens = len(c.token_ids)
@@ -193,6 +194,12 @@ class ChoiceCursor:
         return Delta(text, new_lps, c.finish_reason)
 
 
-def stop_holdback(stop: list[str]) -> int:
-    """Characters to hold back while streaming with these stop strings."""
-    return max((len(s) for s in stop), default=1) - 1
+def partial_stop(text: str, stops: list[str]) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of one of ``stops``."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

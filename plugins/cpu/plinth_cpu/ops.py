@@ -61,3 +61,38 @@ class CpuOps(SmallOps):
         ):
             return super().rotary(x, positions, cos_sin, rotary_dim)
         return self.native.rotary(x, positions.contiguous(), cos_sin.contiguous(), rotary_dim)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices: :func:`sliced_argmax`."""
+        return sliced_argmax(x)
+
+
+#: Vocabulary slice of :func:`sliced_argmax`; rows shorter than ``4 * ARGMAX_CHUNK`` take one argmax.
+ARGMAX_CHUNK = 1024
+
+
+def sliced_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor (the first index of each row's maximum; a NaN counts as the
+    maximum, as in torch), in two passes: the maximum of each ``ARGMAX_CHUNK``-wide slice, then one
+    argmax inside the first slice that holds the row's maximum.
+
+    torch's CPU argmax runs at about a tenth of the speed of its max-reduction (64 rows of a 49,152-token
+    vocabulary: 3.9 ms against 0.6 ms this way, 2 threads; a 64-sequence decode step of SmolLM2 Q4_1
+    200 -> 190 ms). A single row takes torch's argmax: it runs on the calling thread, where the slices'
+    maxima would wake torch's worker threads, which then spin against this backend's own pool (batch 1:
+    +2.2 ms a token).
+    """
+    rows, width = x.shape
+    c = ARGMAX_CHUNK
+    if rows < 2 or width < 4 * c:
+        return x.argmax(dim=-1)
+    n = width // c
+    slice_max = x[:, : n * c].reshape(rows, n, c).amax(dim=-1)  # [S, n]
+    if width > n * c:  # the short last slice
+        slice_max = torch.cat([slice_max, x[:, n * c :].amax(dim=-1, keepdim=True)], dim=1)
+    first = slice_max.argmax(dim=-1)  # [S]: the first slice holding the maximum (or a NaN)
+    # a window of c ending at the row's end for the short slice: what it overlaps of the slice before
+    # holds no maximum (that slice is not the first to hold one)
+    start = torch.clamp(first * c, max=width - c)
+    window = x.gather(1, start[:, None] + torch.arange(c, device=x.device))  # [S, c]
+    return start + window.argmax(dim=-1)

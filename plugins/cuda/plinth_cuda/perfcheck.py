@@ -116,15 +116,12 @@ def decode_attention(backend: Backend, sizes: Sizes) -> tuple[float, float]:
     cache = backend.allocate_kv_cache(spec, sizes.batch * per_seq + 1)
     cache.normal_()
     tables = (torch.randperm(sizes.batch * per_seq, device=dev) + 1).view(sizes.batch, per_seq).to(torch.int32)
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(sizes.batch + 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.full((sizes.batch,), sizes.context, dtype=torch.int32, device=dev),
-        block_tables=tables,
-        slot_mapping=torch.zeros(sizes.batch, dtype=torch.int64, device=dev),
-        max_query_len=1,
-        max_seq_len=sizes.context,
-        query_lens_host=[1] * sizes.batch,
-        seq_lens_host=[sizes.context] * sizes.batch,
+    meta = AttentionMetadata.from_lengths(
+        [1] * sizes.batch,
+        [sizes.context] * sizes.batch,
+        tables,
+        slot_mapping=torch.zeros(sizes.batch, dtype=torch.int64),
+        device=dev,
     )
     query = torch.randn(sizes.batch, sizes.num_heads, sizes.head_size, dtype=dtype, device=dev)
     seconds = timed(lambda: kernels.forward(query, cache, meta, sizes.head_size**-0.5), services, sizes.reps)

@@ -12,7 +12,7 @@ from plinth.bench.datasets import sharegpt, synthetic
 from plinth.bench.latency import COLD_START_PHASES, measure_cold_start, measure_latency
 from plinth.bench.throughput import run_throughput
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "runtime" / "engine"))
 
 
 def test_synthetic_workload_is_fixed_and_clipped() -> None:

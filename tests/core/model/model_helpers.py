@@ -32,28 +32,8 @@ def make_metadata(computed: Sequence[int], new: Sequence[int], block_size: int =
     Sequence i owns the contiguous blocks ``i * MAX_BLOCKS_PER_SEQ ...``.
     """
     seq_lens = [c + n for c, n in zip(computed, new, strict=True)]
-    starts = [0]
-    for n in new:
-        starts.append(starts[-1] + n)
-    tables = torch.tensor(
-        [[i * MAX_BLOCKS_PER_SEQ + b for b in range(MAX_BLOCKS_PER_SEQ)] for i in range(len(new))],
-        dtype=torch.int32,
-    )
-    slots = [
-        (i * MAX_BLOCKS_PER_SEQ) * block_size + pos
-        for i, (c, n) in enumerate(zip(computed, new, strict=True))
-        for pos in range(c, c + n)
-    ]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(new),
-        max_seq_len=max(seq_lens),
-        query_lens_host=list(new),
-        seq_lens_host=seq_lens,
-    )
+    tables = [[i * MAX_BLOCKS_PER_SEQ + b for b in range(MAX_BLOCKS_PER_SEQ)] for i in range(len(new))]
+    return AttentionMetadata.from_lengths(list(new), seq_lens, tables, block_size=block_size)
 
 
 def allocate_caches(model: Any, num_seqs: int) -> list[torch.Tensor]:

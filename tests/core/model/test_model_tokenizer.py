@@ -10,9 +10,17 @@ from typing import Any
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
 
 from plinth.model.loader import load_tokenizer, resolve_model
-from plinth.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from plinth.model.tokenizer import (
+    ChatTemplateError,
+    IncrementalDetokenizer,
+    InvalidText,
+    Tokenizer,
+    find_lone_surrogate,
+)
 
 # ids from transformers' AutoTokenizer.from_pretrained(dir, gguf_file=...) (checked live: slow test)
 EXPECTED_IDS = {
@@ -210,3 +218,51 @@ def test_detokenizer_stream_equals_decode(smol: Tokenizer, text: str) -> None:
     deltas = _stream(smol, [], ids)
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+# -- invalid text, token bytes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["\ud800", "ok \udfff", "a\ud83d b"])
+def test_lone_surrogate_is_invalid_text_naming_where(smol: Tokenizer, text: str) -> None:
+    with pytest.raises(InvalidText, match=r"lone surrogate \(U\+D[89A-F][0-9A-F]{2}\) at character \d"):
+        smol.encode(text)
+    assert find_lone_surrogate(text) == next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    assert find_lone_surrogate("😀 a surrogate pair in UTF-16, one character here") is None
+
+
+def test_encode_rejects_non_strings(smol: Tokenizer) -> None:
+    with pytest.raises(TypeError, match="must be a str, not bytes"):
+        smol.encode(b"Hi")  # type: ignore[arg-type]
+
+
+def test_long_text_encodes_and_decodes_the_same_through_the_gil_free_path(smol: Tokenizer) -> None:
+    text = "héllo 世界 🎉 " * 8000  # > _RELEASE_GIL_AT characters: the batch call
+    ids = smol.encode(text)
+    assert ids == smol.backend.encode(text).ids
+    assert len(ids) > 1 << 16 and smol.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_concatenate_to_the_text(smol: Tokenizer, text: str) -> None:
+    ids = smol.encode(text, add_special_tokens=False)
+    assert b"".join(smol.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_string_shows_partial_characters_as_openai_does(smol: Tokenizer) -> None:
+    ids = smol.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1  # split over tokens: each holds part of the 4 bytes
+    strings = [smol.token_string(i) for i in ids]
+    assert all("\ufffd" not in s for s in strings)
+    assert "".join(strings).startswith("\\xf0\\x9f")
+    assert smol.token_string(smol.encode("Hello", add_special_tokens=False)[0]) == "Hello"
+    assert smol.token_bytes(1) == b"<|im_start|>"
+
+
+def test_token_bytes_of_sentencepiece_pieces() -> None:
+    vocab = {"<unk>": 0, "\u2581Hi": 1, "<0xE4>": 2, "<0xB8>": 3, "<0x96>": 4}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok = Tokenizer(backend)
+    assert tok.token_bytes(1) == b" Hi"
+    assert b"".join(tok.token_bytes(i) for i in (2, 3, 4)).decode() == "世"
+    assert tok.token_string(2) == "\\xe4"

@@ -146,3 +146,94 @@ def test_duplicate_backend_name_is_refused() -> None:
     host = PluginHost(plugins=(("dup", _Plugin(ReferenceBackend())),))
     info = next(p for p in host.plugins if p.name == "dup")
     assert info.error is not None and "already registered" in info.error
+
+
+# -- hooks are called through pluggy: an implementation of an older signature keeps working --------
+
+
+def test_kernel_hook_of_the_1_0_signature_is_called_without_the_argument_added_in_1_4(site: Path) -> None:
+    # Installed by entry point like a real plugin written against API 1.0, before
+    # plinth_register_kernels gained `backend`: pluggy must prune the argument for it.
+    _fake_dist(
+        site,
+        "acme-kernels",
+        "[plinth.backends]\nacme_kernels = fakeplug_old_kernels\n",
+        {
+            "fakeplug_old_kernels": """
+            from plinth.hookspecs import hookimpl
+            from plinth.platform.backend import KernelProvider
+            from plinth.platform.reference import ReferenceGemm
+            import torch
+
+            CALLS = []
+
+            class OldProvider(KernelProvider):
+                backend_name = "reference"
+                name = "old"
+                priority = 5
+
+                def gemm_kernels(self, dtype):
+                    return ReferenceGemm(torch.float32) if dtype == "float32" else None
+
+            @hookimpl
+            def plinth_register_kernels(backend_name):
+                CALLS.append(backend_name)
+                return [OldProvider()]
+            """
+        },
+    )
+    host = PluginHost()
+    info = next(p for p in host.plugins if p.name == "acme_kernels")
+    assert info.error is None and info.hooks == ["plinth_register_kernels"]
+    providers = host.kernel_providers("reference")
+    assert [p.name for p in providers] == ["old"]
+    assert sys.modules["fakeplug_old_kernels"].CALLS == ["reference"]  # type: ignore[attr-defined]
+    assert info.error is None
+
+
+def test_the_1_4_signature_receives_the_selected_backend_object() -> None:
+    seen: list[object] = []
+
+    class _New:
+        @hookimpl
+        def plinth_register_kernels(self, backend: object, backend_name: str) -> list:  # any order
+            seen.append((backend_name, backend))
+            return []
+
+    host = PluginHost(plugins=(("new", _New()),))
+    assert host.kernel_providers("reference") == []
+    assert seen == [("reference", host.select("reference").backend)]
+
+
+def test_a_raising_kernel_hook_is_reported_and_the_other_plugins_still_contribute() -> None:
+    class _Boom:
+        @hookimpl
+        def plinth_register_kernels(self, backend_name: str) -> list:
+            raise RuntimeError("no kernels today")
+
+    class _Empty:
+        @hookimpl
+        def plinth_register_kernels(self, backend_name: str) -> list:
+            return []
+
+    host = PluginHost(plugins=(("boom", _Boom()), ("empty", _Empty())))
+    assert host.kernel_providers("reference") == []
+    boom = next(p for p in host.plugins if p.name == "boom")
+    assert boom.error is not None and "no kernels today" in boom.error and "plinth_register_kernels" in boom.error
+    assert next(p for p in host.plugins if p.name == "empty").error is None
+    with pytest.raises(BackendError, match="unknown backend 'nope'"):
+        host.kernel_providers("nope")
+
+
+def test_a_raising_register_backends_is_reported_with_the_plugin_and_others_still_load() -> None:
+    class _Boom:
+        @hookimpl
+        def plinth_register_backends(self) -> list:
+            raise RuntimeError("constructor touched the device")
+
+    host = PluginHost(plugins=(("boom", _Boom()), ("fine", _Plugin(_Better()))))
+    boom = next(p for p in host.plugins if p.name == "boom")
+    assert boom.error is not None and "constructor touched the device" in boom.error
+    assert {"better", "reference"} <= set(host.names())
+    # each plugin's hook was called for that plugin alone: "fine" registered exactly its backend
+    assert next(p for p in host.plugins if p.name == "fine").backends == ["better"]

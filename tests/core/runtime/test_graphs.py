@@ -16,8 +16,8 @@ from plinth.platform.backend import AttentionMetadata, Backend, SmallOps
 from plinth.platform.reference import ReferenceBackend
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.runner import ModelRunner
-from plinth.sched.output import ScheduledRequest, SchedulerOutput
-from plinth.sched.request import Request, StopCriteria
+from plinth.sched.output import ScheduledChunk, SchedulerOutput
+from plinth.sched.request import SequenceId
 from plinth_cpu.backend import CpuBackend, CpuStepGraph
 from plinth_cpu.native import native, native_status
 
@@ -75,24 +75,8 @@ def _meta(chunks: Sequence[Sequence[int]], computed: Sequence[int], tables: Sequ
     """The eager varlen batch: sequence i computes ``chunks[i]`` after ``computed[i]`` cached tokens."""
     q_lens = [len(c) for c in chunks]
     seq_lens = [c + n for c, n in zip(computed, q_lens, strict=True)]
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    slots = [
-        t[p // BLOCK] * BLOCK + p % BLOCK
-        for t, c, n in zip(tables, computed, q_lens, strict=True)
-        for p in range(c, c + n)
-    ]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (MAX_BLOCKS - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
-    )
+    block_tables = torch.tensor([t + [0] * (MAX_BLOCKS - len(t)) for t in tables], dtype=torch.int32)
+    return AttentionMetadata.from_lengths(q_lens, seq_lens, block_tables, block_size=BLOCK)
 
 
 def _eager(
@@ -137,7 +121,7 @@ class _Batch:
     def scheduled(self, rows: list[int], ids: list[list[int]]) -> SchedulerOutput:
         """A step computing tokens ``ids[j]`` of sequence ``rows[j]`` after its cached ones."""
         reqs = [
-            ScheduledRequest(Request(f"r{i}", [1], StopCriteria(8)), t, self.lens[i], self.tables[i], 0)
+            ScheduledChunk(SequenceId(f"r{i}", 0), t, self.lens[i], self.tables[i], ())
             for i, t in zip(rows, ids, strict=True)
         ]
         return SchedulerOutput(reqs, num_batched_tokens=sum(len(t) for t in ids))

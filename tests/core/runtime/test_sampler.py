@@ -5,36 +5,53 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plinth.runtime.sampler import ARGMAX_CHUNK, Sampler, SampleRow, apply_penalties, argmax_rows, filtered_probs
+from plinth.platform.backend import SmallOps
+from plinth.runtime.sampler import Sampler, SampleResult, apply_penalties, filtered_probs
 from plinth.sampling_params import SamplingParams
+from plinth.sched.request import Sample, SequenceId
 from plinth.validation import InvalidParameter
 
+Row = tuple[int, Sample[SamplingParams]]  # (the logits row it reads, the sample)
 
-def _row(i: int, params: SamplingParams, key: str = "r", seed: int | None = None) -> SampleRow:
-    return SampleRow(i, params, key, seed, [], [])
+
+def _row(
+    i: int, params: SamplingParams, key: str = "r", seed: int | None = None, prompt: list[int] | None = None
+) -> Row:
+    return i, Sample(SequenceId(key, 0), params, seed, prompt or [], [])
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, rows: list[Row]) -> list[SampleResult]:
+    return sampler.sample(logits, [smp for _, smp in rows], [i for i, _ in rows])
 
 
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     rows = [_row(i, SamplingParams(temperature=0)) for i in range(4)]
-    out = Sampler().sample(logits, rows)
+    out = _sample(Sampler(), logits, rows)
     assert [r.token_id for r in out] == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("width", [4 * ARGMAX_CHUNK, 49152, 49153, 5000, 100])
-def test_argmax_rows_matches_torch_argmax(width: int) -> None:
-    g = torch.Generator().manual_seed(width)
-    x = torch.randn(7, width, generator=g)
-    assert torch.equal(argmax_rows(x), x.argmax(-1))
-    ties = torch.randint(0, 3, (7, width), generator=g).float()  # many maxima: the first one wins
-    assert torch.equal(argmax_rows(ties), ties.argmax(-1))
-    ties[:3, -1] = 5.0  # the maximum in the short last slice (or the last full one)
-    if width > ARGMAX_CHUNK:
-        ties[3, ARGMAX_CHUNK - 1] = ties[3, ARGMAX_CHUNK] = 5.0  # across a slice boundary
-    ties[4, width // 2] = float("nan")  # a NaN counts as the maximum, as in torch
-    assert torch.equal(argmax_rows(ties), ties.argmax(-1))
-    minus_inf = torch.full((2, width), float("-inf"))
-    assert torch.equal(argmax_rows(minus_inf), minus_inf.argmax(-1))
+class _CountingOps(SmallOps):
+    """The default ops, counting argmax calls: the sampler must pick its tokens through them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().argmax(x)
+
+
+def test_tokens_are_picked_by_the_backends_argmax() -> None:
+    ops = _CountingOps()
+    sampler = Sampler(ops)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    greedy = [_row(i, SamplingParams(temperature=0)) for i in range(3)]
+    assert [r.token_id for r in _sample(sampler, logits, greedy)] == logits.argmax(-1).tolist()
+    assert ops.calls == 1
+    mixed = [_row(0, SamplingParams(temperature=0)), _row(1, SamplingParams(), "b", 3), _row(2, SamplingParams())]
+    _sample(sampler, logits, mixed)
+    assert ops.calls == 3  # the greedy rows, then the random ones' exponential race
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
@@ -72,7 +89,7 @@ def test_sampling_follows_the_distribution() -> None:
     logits = probs.log().expand(4000, 3).contiguous()
     rows = [_row(i, SamplingParams(), key=f"k{i}") for i in range(4000)]
     torch.manual_seed(0)
-    tokens = torch.tensor([r.token_id for r in Sampler().sample(logits, rows)])
+    tokens = torch.tensor([r.token_id for r in _sample(Sampler(), logits, rows)])
     freq = torch.bincount(tokens, minlength=3).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03), freq
 
@@ -80,16 +97,28 @@ def test_sampling_follows_the_distribution() -> None:
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(3))
     params = SamplingParams(temperature=1.0, seed=42)
-    alone = [Sampler().sample(logits, [_row(0, params, "a", 42)])[0].token_id for _ in range(1)]
+    alone = [_sample(Sampler(), logits, [_row(0, params, "a", 42)])[0].token_id for _ in range(1)]
     other = torch.randn(5, 1000)
     batch = torch.cat([other, logits])
     rows = [_row(i, SamplingParams(), f"x{i}") for i in range(5)] + [_row(5, params, "a", 42)]
-    in_batch = Sampler().sample(batch, rows)[5].token_id
+    in_batch = _sample(Sampler(), batch, rows)[5].token_id
     assert alone[0] == in_batch
     # the generator persists across steps: a second draw continues the stream
     s = Sampler()
-    draws = [s.sample(logits, [_row(0, params, "a", 42)])[0].token_id for _ in range(20)]
+    draws = [_sample(s, logits, [_row(0, params, "a", 42)])[0].token_id for _ in range(20)]
     assert len(set(draws)) > 1
+    # forget drops the sequence's generator: the next draw starts the stream from its seed again
+    s.forget(SequenceId("a", 0))
+    assert [_sample(s, logits, [_row(0, params, "a", 42)])[0].token_id for _ in range(20)] == draws
+
+
+def test_the_samples_of_a_fork_share_a_logits_row_and_seed_apart() -> None:
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(4))
+    params = SamplingParams(temperature=1.0, seed=7)
+    fork = [(0, Sample(SequenceId("p", k), params, 7 + k, [], [])) for k in range(3)]
+    together = [r.token_id for r in _sample(Sampler(), logits, fork)]
+    apart = [_sample(Sampler(), logits, [row])[0].token_id for row in fork]
+    assert together == apart and len(set(together)) > 1
 
 
 def test_repetition_penalty_matches_hf_rule() -> None:
@@ -108,7 +137,7 @@ def test_presence_and_frequency_penalties_count_output_only() -> None:
 def test_logprobs_are_raw_log_softmax_with_top_n() -> None:
     logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(4))
     params = SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.5)
-    [res] = Sampler().sample(logits, [SampleRow(0, params, "a", None, [0, 1], [])])
+    [res] = _sample(Sampler(), logits, [_row(0, params, "a", None, [0, 1])])
     ref = torch.log_softmax(logits[0], -1)
     assert res.logprob == pytest.approx(float(ref[res.token_id]), abs=1e-6)
     assert res.top_logprobs is not None and [t for t, _ in res.top_logprobs] == ref.topk(3).indices.tolist()

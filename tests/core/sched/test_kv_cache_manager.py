@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from plinth.sched.kv_cache_manager import KVCacheManager
-from plinth.sched.request import Request, StopCriteria
+from plinth.sched.request import Request, SequenceId, StopCriteria
 
 
-def req(rid: str, prompt: list[int]) -> Request:
-    return Request(request_id=rid, prompt_token_ids=list(prompt), stop=StopCriteria(max_tokens=8))
+def req(rid: str, prompt: list[int], sample_index: int = 0) -> Request:
+    stop = StopCriteria(max_tokens=8)
+    return Request(request_id=rid, prompt_token_ids=list(prompt), stop=stop, params=None, sample_index=sample_index)
 
 
 def compute(kv: KVCacheManager, r: Request, n: int) -> list[int]:
@@ -43,7 +44,7 @@ def test_back_pressure_is_none_and_changes_nothing() -> None:
     compute(kv, a, 4)
     b = req("b", [5, 6, 7, 8])
     assert kv.allocate_slots(b, 4) is None
-    assert kv.block_ids("b") == [] and kv.num_free_blocks == 1 and kv.num_requests == 1
+    assert kv.block_ids(SequenceId("b", 0)) == [] and kv.num_free_blocks == 1 and kv.num_requests == 1
     assert kv.allocate_slots(b, 2) is not None
 
 
@@ -102,7 +103,7 @@ def test_fork_shares_blocks_and_copy_on_write_of_partial_block() -> None:
     kv = KVCacheManager(num_blocks=20, block_size=4)
     p = req("p", list(range(6)))
     tp = compute(kv, p, 6)
-    children = [req(f"p#{i}", list(range(6))) for i in (1, 2)]
+    children = [req("p", list(range(6)), i) for i in (1, 2)]
     for c in children:
         c.num_computed_tokens = 6
         kv.fork(p, c)
@@ -125,7 +126,7 @@ def test_no_copy_on_write_when_fork_point_is_block_aligned() -> None:
     kv = KVCacheManager(num_blocks=20, block_size=4)
     p = req("p", list(range(8)))
     tp = compute(kv, p, 8)
-    c = req("p#1", list(range(8)))
+    c = req("p", list(range(8)), 1)
     c.num_computed_tokens = 8
     kv.fork(p, c)
     for r in (p, c):
@@ -139,7 +140,7 @@ def test_copy_on_write_back_pressure() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=4)  # 2 usable
     p = req("p", [1, 2, 3, 4, 5])
     compute(kv, p, 5)  # both blocks used
-    c = req("p#1", [1, 2, 3, 4, 5])
+    c = req("p", [1, 2, 3, 4, 5], 1)
     c.num_computed_tokens = 5
     kv.fork(p, c)
     p.output_token_ids.append(1)
@@ -174,7 +175,7 @@ def test_free_returns_everything() -> None:
     kv = KVCacheManager(num_blocks=20, block_size=4)
     p = req("p", list(range(9)))
     compute(kv, p, 9)
-    c = req("p#1", list(range(9)))
+    c = req("p", list(range(9)), 1)
     c.num_computed_tokens = 9
     kv.fork(p, c)
     kv.free(p)
@@ -194,4 +195,4 @@ def test_misuse_is_loud() -> None:
     with pytest.raises(ValueError, match="already holds"):
         kv.get_computed_blocks(a)
     with pytest.raises(ValueError, match="no blocks"):
-        kv.fork(req("x", [1]), req("x#1", [1]))
+        kv.fork(req("x", [1]), req("x", [1], 1))

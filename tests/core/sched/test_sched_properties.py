@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plinth.sched.output import SchedulerOutput
-from plinth.sched.request import Request, RequestStatus, StopCriteria
+from plinth.sched.request import Request, RequestStatus, SequenceId, StopCriteria
 from plinth.sched.scheduler import Scheduler
 
 VOCAB = 12
@@ -40,7 +40,7 @@ class FakeModel:
             [None] * self.bs for _ in range(sched.kv_cache_manager.pool.num_blocks)
         ]
 
-    def step(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def step(self, out: SchedulerOutput) -> dict[SequenceId, int]:
         pool = self.sched.kv_cache_manager.pool
         for src, dst in out.block_copies:  # before the step, in order
             self.kv[dst] = list(self.kv[src])
@@ -56,7 +56,7 @@ class FakeModel:
                 assert slot not in written, f"slot {slot} written twice in one step"
                 written.add(slot)
                 self.kv[block][pos % self.bs] = (pos, token)
-        sampled: dict[str, list[int]] = {}
+        sampled: dict[SequenceId, int] = {}
         for s in out.scheduled:
             if s.num_samples == 0:
                 continue
@@ -66,7 +66,8 @@ class FakeModel:
                 entry = self.kv[s.block_ids[pos // self.bs]][pos % self.bs]
                 assert entry is not None and entry[0] == pos, f"slot for position {pos} holds {entry}"
                 context.append(entry[1])
-            sampled[s.request.request_id] = [next_token(context, i) for i in range(s.num_samples)]
+            for i, sample in enumerate(s.samples):
+                sampled[sample.seq_id] = next_token(context, i)
         return sampled
 
 
@@ -98,7 +99,7 @@ def check_state(s: Scheduler, after_update: bool) -> None:
     kv = s.kv_cache_manager
     pool = kv.pool
     tables = kv.tables()
-    assert set(tables) == {r.request_id for r in s.running}
+    assert set(tables) == {r.seq_id for r in s.running}
     counts = [0] * pool.num_blocks
     for table in tables.values():
         assert len(set(table)) == len(table) and 0 not in table
@@ -116,7 +117,7 @@ def check_state(s: Scheduler, after_update: bool) -> None:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
     for r in s.running:
         assert r.status == RequestStatus.RUNNING
-        assert len(tables[r.request_id]) * s.block_size >= r.num_computed_tokens
+        assert len(tables[r.seq_id]) * s.block_size >= r.num_computed_tokens
         assert r.num_tokens <= s.max_model_len
         if after_update:
             assert r.num_computed_tokens < r.num_tokens
@@ -128,18 +129,23 @@ def check_output(s: Scheduler, out: SchedulerOutput) -> None:
     assert out.num_batched_tokens == sum(len(x.token_ids) for x in out.scheduled)
     assert out.num_batched_tokens <= s.max_num_batched_tokens
     assert len(out.scheduled) <= s.max_num_seqs
-    assert len({x.request.request_id for x in out.scheduled}) == len(out.scheduled)
+    assert len({x.seq_id for x in out.scheduled}) == len(out.scheduled)
     for x in out.scheduled:
-        r = x.request
+        r = s.get_request(x.seq_id)
+        assert r is not None and r.seq_id == x.seq_id
         end = x.start_position + len(x.token_ids)
         assert x.token_ids and x.token_ids == r.all_token_ids[x.start_position : end]
         assert r.num_computed_tokens == end  # advanced in schedule()
         assert len(x.block_ids) * s.block_size >= end
-        assert x.block_ids == s.kv_cache_manager.block_ids(r.request_id)
+        assert x.block_ids == s.kv_cache_manager.block_ids(r.seq_id)
         if s.long_prefill_token_threshold:
             assert len(x.token_ids) <= s.long_prefill_token_threshold
         assert (x.num_samples > 0) == (end == r.num_tokens)
         assert x.num_samples <= 1 or (x.num_samples == r.n and not r.forked)
+        if x.num_samples > 1:  # a fork names its new sequences
+            assert [y.seq_id for y in x.samples] == [SequenceId(r.request_id, k) for k in range(r.n)]
+        elif x.samples:
+            assert x.samples[0].seq_id == x.seq_id
 
 
 @dataclass
@@ -151,27 +157,26 @@ class Arrival:
     abort_group: bool
 
 
-def run(s: Scheduler, arrivals: list[Arrival], max_steps: int = 3000) -> dict[str, Request]:
+def run(s: Scheduler, arrivals: list[Arrival], max_steps: int = 3000) -> dict[SequenceId, Request]:
     """Drive the scheduler with the fake model until every request is finished or aborted."""
     model = FakeModel(s)
-    seen: dict[str, Request] = {}
+    seen: dict[SequenceId, Request] = {}
     pending = sorted(arrivals, key=lambda a: a.step)
     step = 0
 
     def aborts(mid: bool) -> None:
         for a in arrivals:
-            if a.abort_at == step and a.abort_mid_step == mid and a.request.request_id in seen:
-                rid = a.request.request_id
+            if a.abort_at == step and a.abort_mid_step == mid and a.request.seq_id in seen:
                 if a.abort_group:
-                    s.abort_group(rid)
+                    s.abort_group(a.request.request_id)
                 else:
-                    s.abort_request(rid)
+                    s.abort_request(a.request.seq_id)
 
     while pending or s.has_unfinished():
         while pending and pending[0].step <= step:
             r = pending.pop(0).request
             s.add_request(r)
-            seen[r.request_id] = r
+            seen[r.seq_id] = r
         aborts(mid=False)
         out = s.schedule()
         check_output(s, out)
@@ -181,7 +186,7 @@ def run(s: Scheduler, arrivals: list[Arrival], max_steps: int = 3000) -> dict[st
         aborts(mid=True)
         changed = s.update(out, sampled)
         for r in changed:
-            seen.setdefault(r.request_id, r)
+            seen.setdefault(r.seq_id, r)
             assert r.output_token_ids
         check_state(s, after_update=True)
         step += 1
@@ -189,7 +194,7 @@ def run(s: Scheduler, arrivals: list[Arrival], max_steps: int = 3000) -> dict[st
     return seen
 
 
-def check_results(s: Scheduler, arrivals: list[Arrival], seen: dict[str, Request]) -> None:
+def check_results(s: Scheduler, arrivals: list[Arrival], seen: dict[SequenceId, Request]) -> None:
     """No leaks, and every output equals (or, when aborted, is a prefix of) the reference."""
     kv = s.kv_cache_manager
     assert kv.num_requests == 0 and kv.num_free_blocks == kv.pool.num_usable_blocks
@@ -200,7 +205,7 @@ def check_results(s: Scheduler, arrivals: list[Arrival], seen: dict[str, Request
         r = a.request
         ref = reference(r.prompt_token_ids, r.n, r.stop, s.max_model_len)
         for i, (expected, status) in enumerate(ref):
-            got = seen.get(r.request_id if i == 0 else f"{r.request_id}#{i}")
+            got = seen.get(SequenceId(r.request_id, i))
             if got is None:  # aborted before it forked
                 assert r.status == RequestStatus.FINISHED_ABORTED
                 continue
@@ -208,7 +213,7 @@ def check_results(s: Scheduler, arrivals: list[Arrival], seen: dict[str, Request
             if got.status == RequestStatus.FINISHED_ABORTED:
                 assert expected[: len(got.output_token_ids)] == got.output_token_ids
             else:
-                assert (got.output_token_ids, got.status) == (expected, status), got.request_id
+                assert (got.output_token_ids, got.status) == (expected, status), got.seq_id
 
 
 @st.composite
@@ -245,7 +250,7 @@ def workloads(draw: st.DrawFn) -> tuple[dict[str, int | bool], list[Arrival]]:
             min_tokens=draw(st.integers(0, 2)),
         )
         n = draw(st.integers(1, min(3, max_num_seqs)))
-        request = Request(request_id=f"r{i}", prompt_token_ids=prompt, stop=stop, n=n)
+        request = Request(request_id=f"r{i}", prompt_token_ids=prompt, stop=stop, params=None, n=n)
         arrive = draw(st.integers(0, 6))
         abort_at = draw(st.one_of(st.none(), st.none(), st.integers(arrive, arrive + 10)))
         arrivals.append(Arrival(arrive, request, abort_at, draw(st.booleans()), draw(st.booleans())))
@@ -269,7 +274,8 @@ def fixed_requests() -> list[Arrival]:
     out = []
     for i, p in enumerate(prompts):
         stop = StopCriteria(max_tokens=10, eos_token_ids=frozenset({EOS}), ignore_eos=i % 2 == 1)
-        out.append(Arrival(i // 2, Request(f"d{i}", list(p), stop, n=1 + (i == 1) * 2), None, False, False))
+        request = Request(f"d{i}", list(p), stop, params=None, n=1 + (i == 1) * 2)
+        out.append(Arrival(i // 2, request, None, False, False))
     return out
 
 
@@ -291,7 +297,8 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
     arrivals = fixed_requests()
     seen = run(s, arrivals)
     check_results(s, arrivals, seen)
-    assert all(not r.request_id.startswith("d1#") or r.output_token_ids for r in seen.values())
+    assert all(r.request_id != "d1" or r.output_token_ids for r in seen.values())
+    assert {sid for sid in seen if sid.request_id == "d1"} == {SequenceId("d1", k) for k in range(3)}
     if num_blocks < 20:
         assert s.num_preemptions_total > 0
 
@@ -303,14 +310,14 @@ def test_outputs_do_not_depend_on_batching_chunking_or_preemption(
 )
 def test_repeated_prompt_reuses_the_cached_blocks(prompt: list[int], bs: int) -> None:
     s = Scheduler(num_blocks=50, block_size=bs, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=40)
-    first = Request("a", list(prompt), StopCriteria(max_tokens=2))
+    first = Request("a", list(prompt), StopCriteria(max_tokens=2), params=None)
     s.add_request(first)
     out = s.schedule()
     first_table = out.scheduled[0].block_ids
-    s.update(out, {"a": [1]})
-    s.update(s.schedule(), {"a": [2]})
+    s.update(out, {first.seq_id: 1})
+    s.update(s.schedule(), {first.seq_id: 2})
     assert first.is_finished
-    again = Request("b", list(prompt), StopCriteria(max_tokens=1))
+    again = Request("b", list(prompt), StopCriteria(max_tokens=1), params=None)
     s.add_request(again)
     out = s.schedule()
     x = out.scheduled[0]

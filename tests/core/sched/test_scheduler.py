@@ -10,18 +10,25 @@ from typing import Any
 
 import pytest
 
-from plinth.sched.output import SchedulerOutput
-from plinth.sched.request import Request, RequestStatus, StopCriteria
+from plinth.sched.output import EngineFinishes, SchedulerOutput
+from plinth.sched.request import Request, RequestStatus, SequenceId, StopCriteria
 from plinth.sched.scheduler import Scheduler
 
 CORE = Path(__file__).resolve().parents[3] / "core"
 
 
-def make(rid: str, prompt: list[int] | int, max_tokens: int = 4, n: int = 1, **stop: Any) -> Request:
+def make(
+    rid: str, prompt: list[int] | int, max_tokens: int = 4, n: int = 1, seed: int | None = None, **stop: Any
+) -> Request:
     # an int prompt gets tokens of its own (no accidental prefix hits between requests)
     base = 1000 * sum(map(ord, rid))
     tokens = list(range(base, base + prompt)) if isinstance(prompt, int) else list(prompt)
-    return Request(request_id=rid, prompt_token_ids=tokens, stop=StopCriteria(max_tokens, **stop), n=n)
+    stop_criteria = StopCriteria(max_tokens, **stop)
+    return Request(request_id=rid, prompt_token_ids=tokens, stop=stop_criteria, params=None, seed=seed, n=n)
+
+
+def sid(rid: str, sample_index: int = 0) -> SequenceId:
+    return SequenceId(rid, sample_index)
 
 
 def sched(**kw: int | bool) -> Scheduler:
@@ -34,13 +41,15 @@ def sched(**kw: int | bool) -> Scheduler:
 
 def step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     out = s.schedule()
-    sampled = {x.request.request_id: [token + i for i in range(x.num_samples)] for x in out.scheduled}
-    return out, s.update(out, {k: v for k, v in sampled.items() if v})
+    # sample i of a chunk gets token + i
+    sampled = {smp.seq_id: token + i for x in out.scheduled for i, smp in enumerate(x.samples)}
+    return out, s.update(out, sampled)
 
 
 def chunks(out: SchedulerOutput) -> dict[str, tuple[int, int, int]]:
-    """id -> (start, num tokens, num_samples)."""
-    return {x.request.request_id: (x.start_position, len(x.token_ids), x.num_samples) for x in out.scheduled}
+    """request id -> (start, num tokens, num_samples), for steps without forks running."""
+    assert all(x.seq_id.sample_index == 0 for x in out.scheduled)
+    return {x.seq_id.request_id: (x.start_position, len(x.token_ids), x.num_samples) for x in out.scheduled}
 
 
 def test_sched_package_does_not_import_torch() -> None:
@@ -66,8 +75,11 @@ def test_add_request_guards() -> None:
     with pytest.raises(ValueError, match="in use"):
         s.add_request(make("a", 3))
     s.add_request(make("b", 3, n=2))
-    with pytest.raises(ValueError, match="in use"):
-        s.add_request(make("b#1", 3))
+    s.add_request(make("b#1", 3))  # an id is a string like any other: no naming convention to collide with
+    forked = make("c", 3)
+    forked.sample_index = 1
+    with pytest.raises(ValueError, match="only the scheduler forks"):
+        s.add_request(forked)
 
 
 def test_constructor_guards() -> None:
@@ -105,7 +117,7 @@ def test_running_first_then_fifo_waiting_sharing_the_budget() -> None:
     s.add_request(b)
     s.add_request(c)
     out, _ = step(s)
-    assert [x.request.request_id for x in out.scheduled] == ["a", "b", "c"]
+    assert [x.seq_id for x in out.scheduled] == [sid("a"), sid("b"), sid("c")]
     assert chunks(out) == {"a": (6, 1, 1), "b": (0, 6, 1), "c": (0, 1, 0)}  # c gets the budget's last token
     assert out.num_batched_tokens == 8
     out, _ = step(s)
@@ -142,10 +154,10 @@ def test_preemption_by_recompute_of_the_latest_running_request() -> None:
     c = make("c", [9, 9, 9])
     s.add_request(c)
     out, _ = step(s, token=2)  # a writes position 8: a third block, taken from b
-    assert out.preempted_ids == ["b"] and chunks(out) == {"a": (8, 1, 1)}
+    assert out.preempted_ids == [sid("b")] and chunks(out) == {"a": (8, 1, 1)}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.output_token_ids == [1] and b.num_preemptions == 1 and s.num_preemptions_total == 1
-    assert s.kv_cache_manager.block_ids("b") == []
+    assert s.kv_cache_manager.block_ids(sid("b")) == []
     assert list(s.waiting) == [b, c]  # preempted requests go to the front; no admission this step
     while a.status == RequestStatus.RUNNING:
         out, _ = step(s, token=3)
@@ -153,7 +165,7 @@ def test_preemption_by_recompute_of_the_latest_running_request() -> None:
     out, _ = step(s, token=4)
     x = out.scheduled[0]
     # b recomputes prompt + its kept output (its cached first block was evicted by a meanwhile)
-    assert x.request is b and x.start_position == 0 and x.token_ids == b.prompt_token_ids + [1]
+    assert x.seq_id == b.seq_id and x.start_position == 0 and x.token_ids == b.prompt_token_ids + [1]
     assert x.num_samples == 1 and b.output_token_ids == [1, 4]
     assert b.num_cached_prompt_tokens == 0
 
@@ -167,8 +179,8 @@ def test_the_victim_is_the_tail_of_the_running_queue() -> None:
         s.add_request(r)
     step(s)  # 2 blocks each: the pool is full
     out, _ = step(s)  # a needs a third block; b writes position 7 in place
-    assert out.preempted_ids == ["c"] and chunks(out) == {"a": (8, 1, 1), "b": (7, 1, 1)}
-    assert [r.request_id for r in s.running] == ["a", "b"]
+    assert out.preempted_ids == [sid("c")] and chunks(out) == {"a": (8, 1, 1), "b": (7, 1, 1)}
+    assert [r.seq_id for r in s.running] == [sid("a"), sid("b")]
 
 
 def test_a_request_preempts_itself_when_it_is_the_tail() -> None:
@@ -178,7 +190,7 @@ def test_a_request_preempts_itself_when_it_is_the_tail() -> None:
     s.add_request(b)
     step(s)  # a: 3 blocks, b: 1 full block; the pool is full
     out, _ = step(s)  # a writes position 9 in place; b needs a block for position 4
-    assert out.preempted_ids == ["b"] and chunks(out) == {"a": (9, 1, 1)}
+    assert out.preempted_ids == [sid("b")] and chunks(out) == {"a": (9, 1, 1)}
     assert a.status == RequestStatus.RUNNING and b.status == RequestStatus.PREEMPTED
     while s.has_unfinished():
         step(s)
@@ -204,18 +216,21 @@ def test_fork_n_samples_children_share_blocks_and_copy_on_write() -> None:
     s.add_request(p)
     out = s.schedule()
     assert chunks(out) == {"p": (0, 6, 3)}
-    got = s.update(out, {"p": [10, 11, 12]})
-    assert [r.request_id for r in got] == ["p", "p#1", "p#2"]
+    forks = [sid("p"), sid("p", 1), sid("p", 2)]
+    assert [x.seq_id for x in out.scheduled[0].samples] == forks  # the scheduler names the forks
+    got = s.update(out, {forks[0]: 10, forks[1]: 11, forks[2]: 12})
+    assert [r.seq_id for r in got] == forks and all(r.request_id == "p" for r in got)
     assert [r.output_token_ids for r in got] == [[10], [11], [12]]
-    assert [r.sample_index for r in got] == [0, 1, 2] and all(r.parent_id == "p" for r in got[1:])
+    assert [r.sample_index for r in got] == [0, 1, 2]
     assert p.forked and p.n == 3 and all(r.n == 1 for r in got[1:])
     assert got[1].stop == p.stop and got[1].stop is not p.stop
-    assert [r.request_id for r in s.running] == ["p", "p#1", "p#2"]
+    assert [r.seq_id for r in s.running] == forks
     tables = s.kv_cache_manager.tables()
-    assert tables["p"] == tables["p#1"] == tables["p#2"]
-    shared_partial = tables["p"][1]
+    assert tables[forks[0]] == tables[forks[1]] == tables[forks[2]]
+    shared_partial = tables[forks[0]][1]
     out, got = step(s)
     assert all(x.num_samples == 1 for x in out.scheduled)
+    assert [x.samples[0].seq_id for x in out.scheduled] == [x.seq_id for x in out.scheduled] == forks
     assert [src for src, _ in out.block_copies] == [shared_partial, shared_partial]
     assert [x.block_ids[1] for x in out.scheduled][2] == shared_partial
     assert len({x.block_ids[1] for x in out.scheduled}) == 3
@@ -225,10 +240,58 @@ def test_fork_child_abort_and_group_abort() -> None:
     s = sched()
     s.add_request(make("p", 6, max_tokens=5, n=3))
     out = s.schedule()
-    s.update(out, {"p": [1, 2, 3]})
-    assert s.abort_request("p#1") is not None and s.num_running == 2
-    assert [r.request_id for r in s.abort_group("p")] == ["p", "p#2"]
+    s.update(out, {sid("p"): 1, sid("p", 1): 2, sid("p", 2): 3})
+    assert s.abort_request(sid("p", 1)) is not None and s.num_running == 2
+    assert [r.seq_id for r in s.abort_group("p")] == [sid("p"), sid("p", 2)]
     assert not s.has_unfinished() and s.kv_cache_manager.num_free_blocks == 63
+    assert s.schedule().is_empty and s.abort_group("p") == []
+
+
+def test_a_request_id_stays_in_use_while_any_of_its_samples_runs() -> None:
+    s = sched()
+    s.add_request(make("p", 6, max_tokens=5, n=2))
+    s.update(s.schedule(), {sid("p"): 1, sid("p", 1): 2})
+    s.abort_request(sid("p"))
+    with pytest.raises(ValueError, match="in use"):
+        s.add_request(make("p", 3))  # sample 1 still runs
+    s.abort_request(sid("p", 1))
+    s.add_request(make("p", 3))
+
+
+def test_seeds_and_sample_lists_the_scheduler_hands_out() -> None:
+    s = sched()
+    p = make("p", 6, max_tokens=3, n=3, seed=40)
+    q = make("q", 5, max_tokens=3)
+    s.add_request(p)
+    s.add_request(q)
+    out = s.schedule()
+    by_seq = {x.seq_id: x for x in out.scheduled}
+    # sample k of a fork seeds with seed + k; an unseeded request stays unseeded
+    assert [(x.seq_id, x.seed) for x in by_seq[sid("p")].samples] == [(sid("p", k), 40 + k) for k in range(3)]
+    assert [(x.seq_id, x.seed) for x in by_seq[sid("q")].samples] == [(sid("q"), None)]
+    assert by_seq[sid("q")].samples[0].output_token_ids is q.output_token_ids  # no copy per step
+    s.update(out, {smp.seq_id: 9 for x in out.scheduled for smp in x.samples})
+    out = s.schedule()
+    # each fork then takes its own sample, seeded as the fork's sample was: the generator carries on
+    assert [(x.seq_id, x.samples[0].seed) for x in out.scheduled][:3] == [(sid("p", k), 40 + k) for k in range(3)]
+    first = [x.samples for x in out.scheduled]
+    s.update(out, {smp.seq_id: 8 for x in out.scheduled for smp in x.samples})
+    assert all(a is b for a, b in zip(first, [x.samples for x in s.schedule().scheduled], strict=True))
+
+
+def test_finished_sequences_reach_the_next_output_that_runs() -> None:
+    s = sched()
+    a, b = make("a", 3, max_tokens=1), make("b", 3, max_tokens=3)
+    s.add_request(a)
+    s.add_request(b)
+    out, _ = step(s)
+    assert out.finished_seq_ids == [] and a.is_finished
+    s.finish(EngineFinishes(stopped=[sid("b")]))
+    assert s.schedule().is_empty  # nothing to run: the finishes wait for an output that reaches the runner
+    s.add_request(make("c", 3))
+    out, _ = step(s)
+    assert out.finished_seq_ids == [sid("a"), sid("b")]
+    assert step(s)[0].finished_seq_ids == []
 
 
 @pytest.mark.parametrize(
@@ -273,10 +336,10 @@ def test_abort_waiting_running_and_mid_step() -> None:
     s.add_request(a)
     s.add_request(b)
     out = s.schedule()
-    assert s.abort_request("b") is b and b.status == RequestStatus.FINISHED_ABORTED  # waiting
-    assert s.abort_request("a") is a  # running, while its step runs
-    assert s.update(out, {"a": [1]}) == [] and a.output_token_ids == []
-    assert s.abort_request("a") is None and not s.has_unfinished()
+    assert s.abort_request(sid("b")) is b and b.status == RequestStatus.FINISHED_ABORTED  # waiting
+    assert s.abort_request(sid("a")) is a  # running, while its step runs
+    assert s.update(out, {sid("a"): 1}) == [] and a.output_token_ids == []
+    assert s.abort_request(sid("a")) is None and not s.has_unfinished()
     assert s.kv_cache_manager.num_free_blocks == 63 and s.kv_cache_manager.num_requests == 0
 
 
@@ -285,10 +348,23 @@ def test_finish_request_from_the_engine() -> None:
     r = make("a", 5, max_tokens=10)
     s.add_request(r)
     step(s)
-    assert s.finish_request("a", RequestStatus.FINISHED_STOPPED) is r
+    assert s.finish_request(sid("a"), RequestStatus.FINISHED_STOPPED) is r
     assert r.status.finish_reason == "stop" and s.num_running == 0
     with pytest.raises(ValueError):
-        s.finish_request("a", RequestStatus.RUNNING)
+        s.finish_request(sid("a"), RequestStatus.RUNNING)
+
+
+def test_engine_finishes_in_one_value_object() -> None:
+    s = sched()
+    a, b, c = make("a", 5, max_tokens=10), make("b", 5, max_tokens=10, n=2), make("c", 5, max_tokens=10)
+    for r in (a, b, c):
+        s.add_request(r)
+    step(s)
+    assert not EngineFinishes() and EngineFinishes(aborted=["x"])
+    done = s.finish(EngineFinishes(stopped=[sid("a"), sid("zz")], aborted=["b", "nobody"]))
+    assert [r.seq_id for r in done] == [sid("a"), sid("b"), sid("b", 1)]
+    assert a.status is RequestStatus.FINISHED_STOPPED and done[1].status is RequestStatus.FINISHED_ABORTED
+    assert [r.seq_id for r in s.running] == [sid("c")]
 
 
 def test_update_protocol_is_enforced() -> None:
@@ -297,8 +373,8 @@ def test_update_protocol_is_enforced() -> None:
     out = s.schedule()
     with pytest.raises(RuntimeError, match="update"):
         s.schedule()
-    with pytest.raises(ValueError, match="sample 1"):
-        s.update(out, {"a": [1, 2]})
+    with pytest.raises(ValueError, match="no sampled token for sequence 'a'"):
+        s.update(out, {sid("a", 1): 1})
     empty = sched().schedule()
     assert empty.is_empty and sched().update(empty, {}) == []
 

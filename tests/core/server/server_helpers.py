@@ -47,7 +47,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as {name: value} (labels dropped; label sets of one name summed)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=30).text
         values: dict[str, float] = {}
         for line in text.splitlines():
             m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)

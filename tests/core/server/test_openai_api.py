@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -184,3 +185,52 @@ def test_small_routes(server: ServerProcess) -> None:
 def test_openapi_document(server: ServerProcess) -> None:
     doc = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize"} <= set(doc["paths"])
+
+
+def _spelled(token: str) -> bytes:
+    """The bytes an OpenAI logprobs token string stands for (``\\xNN`` escapes and UTF-8 text)."""
+    return b"".join(
+        bytes([int(m[1], 16)]) if m[1] else m[2].encode() for m in re.finditer(r"\\x([0-9a-f]{2})|(.)", token, re.S)
+    )
+
+
+EMOJI = "Emoji: 🍎🍌🍇🍉🍎🍌🍇🍉🍎"  # the default model continues it with emoji, each split over 3 tokens
+
+
+def test_logprobs_of_multibyte_text_carry_each_tokens_real_bytes(server: ServerProcess) -> None:
+    with server.client() as http:
+        body = {"prompt": EMOJI, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] and not choice["text"].isascii()
+        assert "\ufffd" not in "".join(lp["tokens"]) and any("\\x" in t for t in lp["tokens"]), lp["tokens"]
+        # the escaped bytes of the tokens spell the text
+        raw = b"".join(_spelled(t) for t in lp["tokens"])
+        assert raw.decode("utf-8") == choice["text"]
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+        chat = {"messages": [{"role": "user", "content": EMOJI}], "max_tokens": 12, "temperature": 0}
+        r = http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 3})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        joined = b"".join(bytes(e["bytes"]) for e in content)
+        # before: every partial token was U+FFFD, bytes [239, 191, 189]
+        assert joined.decode("utf-8", "replace") == choice["message"]["content"]
+        assert any(bytes(e["bytes"]).decode("utf-8", "replace") != bytes(e["bytes"]).decode("utf-8", "ignore")
+                   for e in content), content  # fmt: skip
+        for e in content:
+            assert e["token"] == bytes(e["bytes"]).decode("utf-8", "backslashreplace")
+            for alt in e["top_logprobs"]:
+                assert alt["token"] == bytes(alt["bytes"]).decode("utf-8", "backslashreplace")
+
+        # streaming gives the same entries
+        chunks = []
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "logprobs": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+        assert [bytes(e["bytes"]) for e in streamed] == [bytes(e["bytes"]) for e in content]

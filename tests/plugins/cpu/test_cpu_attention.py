@@ -87,16 +87,9 @@ def make_batch(
     total = sum(q_lens)
     query = torch.randn(total + PAD_TOKENS, num_heads, head_size, generator=gen).to(dtype)
     query[total:] = float("nan")  # padding tokens: must never be read
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.full((total + PAD_TOKENS,), -1, dtype=torch.int64),  # unused by forward
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
-    )
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, tables, slot_mapping=torch.full((total + PAD_TOKENS,), -1, dtype=torch.int64)
+    )  # the slots are unused by forward
     return Batch(spec, query, cache, meta)
 
 
@@ -280,16 +273,8 @@ def test_write_then_forward_round_trip() -> None:
     slots = table[0].long()[pos // 16] * 16 + pos % 16
     key, value = torch.randn(2, seq_len, 2, 64, generator=gen)
     query = torch.randn(seq_len, 8, 64, generator=gen)
-    meta = AttentionMetadata(
-        torch.tensor([0, seq_len], dtype=torch.int32),
-        torch.tensor([seq_len], dtype=torch.int32),
-        table,
-        slots,
-        seq_len,
-        seq_len,
-        [seq_len],
-        [seq_len],
-    )
+    meta = AttentionMetadata.from_lengths([seq_len], [seq_len], table, block_size=16)
+    assert torch.equal(meta.slot_mapping, slots)
     outs = []
     for kernels, layout in (
         (CpuAttention(spec), CPU_KV_LAYOUT),

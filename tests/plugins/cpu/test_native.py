@@ -263,15 +263,8 @@ def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen
         [block_tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs for i, n in enumerate(seq_lens)]
     )
     attn.write_kv(k, v, cache, slots)
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        query_lens_host=[1] * len(seq_lens),
-        seq_lens_host=list(seq_lens),
+    meta = AttentionMetadata.from_lengths(
+        [1] * len(seq_lens), list(seq_lens), block_tables, slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long)
     )
     return cache, meta
 
@@ -327,16 +320,8 @@ def test_prefill_attention_matches_torch_path(
     )
     seq_lens, q_lens = [9, 5, 40, 16, 70, 2], [1, 5, 13, 1, 37, 2]
     cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen)
-    starts = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(
-        query_start_loc=starts,
-        seq_lens=decode_meta.seq_lens,
-        block_tables=decode_meta.block_tables,
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
     )
     q = torch.randn(sum(q_lens), spec.num_heads, head_size, generator=gen)
     got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)

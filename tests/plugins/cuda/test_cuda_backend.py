@@ -159,7 +159,7 @@ def test_engine_greedy_equals_reference(tmp_path: Path) -> None:
     A tiny random model tends to repeat one token, so each step's generated-token logprob is
     compared too: that checks every decode step's numerics, not only the argmax.
     """
-    sys.path.insert(0, str(ROOT / "tests/core/engine"))
+    sys.path.insert(0, str(ROOT / "tests/core/runtime/engine"))
     from engine_helpers import save_tiny_folder
 
     from plinth import LLM, SamplingParams

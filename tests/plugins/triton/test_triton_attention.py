@@ -122,16 +122,7 @@ def test_write_then_forward() -> None:
             kernels.write_kv(key, value, cache, slots)
             from plinth.platform.backend import AttentionMetadata
 
-            meta = AttentionMetadata(
-                torch.tensor([0, n], dtype=torch.int32),
-                torch.tensor([start + n], dtype=torch.int32),
-                table,
-                slots,
-                n,
-                start + n,
-                [n],
-                [start + n],
-            )
+            meta = AttentionMetadata.from_lengths([n], [start + n], table, slot_mapping=slots)
             outs.append(kernels.forward(query, cache, meta, SCALE))
     for ours, ref in zip(outs[:2], outs[2:], strict=True):
         torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-5)

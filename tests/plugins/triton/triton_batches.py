@@ -89,14 +89,7 @@ def paged_batch(
     total = sum(q_lens)
     query = torch.randn(total + PAD_TOKENS, num_heads, head_size, generator=gen).to(dtype)
     query[total:] = float("nan")
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.full((total + PAD_TOKENS,), -1, dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, tables, slot_mapping=torch.full((total + PAD_TOKENS,), -1, dtype=torch.int64)
     )
     return PagedBatch(spec, query, cache, meta)

@@ -205,3 +205,24 @@ def test_kv_cache_prefault(folder: Path) -> None:
         if default:
             off = parser.parse_args(["--no-kv-cache-prefault"])
             assert EngineConfig(**engine_options(off)).kv_cache_prefault is False
+
+
+def test_a_finished_sequence_leaves_no_generator_behind(llm: LLM) -> None:
+    """The scheduler lists finished sequences in the next step's output and the runner drops their
+    seeded generators: a request id used again with the same seed draws the same tokens afresh."""
+    engine = llm.engine
+    params = SamplingParams(n=2, temperature=50.0, seed=3, max_tokens=4, ignore_eos=True)
+
+    def run(request_id: str) -> list[list[int]]:
+        engine.add_request(request_id, "a seeded prompt", params)
+        last = []
+        while engine.has_unfinished():
+            last = engine.step() or last
+        return [c.token_ids for c in last[-1].outputs]
+
+    first = run("x")
+    assert run("x") == first and len({tuple(t) for t in first}) == 2
+    engine.add_request("later", "another prompt", _greedy(1))
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.runner.sampler._generators
