@@ -9,7 +9,7 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 
 .PHONY: install demo test lint
 
-$(STAMP): pyproject.toml plugins/cpu/pyproject.toml plugins/cpu/plinth_cpu/csrc/kernels.c plugins/triton/pyproject.toml plugins/cuda/pyproject.toml plugins/rocm/pyproject.toml
+$(STAMP): pyproject.toml plugins/cpu/pyproject.toml plugins/cpu/plinth_cpu/csrc/kernels.c plugins/cpu/plinth_cpu/csrc/abi.h plugins/triton/pyproject.toml plugins/cuda/pyproject.toml plugins/rocm/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

@@ -27,14 +27,15 @@ class EngineConfig:
     - ``max_num_batched_tokens`` (>= 16): the token budget of one step.
     - ``max_num_seqs`` (>= 1): sequences in one step at most.
     - ``kv_cache_memory_gb`` (> 0): KV cache size; None: from free memory.
-    - ``kv_cache_prefault``: write the whole KV cache once at start-up, so no step pays for the first
-      touch of its pages (what a long-running server wants; 1.2 s for 1 GiB on the dev VM, and the
-      64-request throughput workload ran 4% faster); False: pages are faulted in as blocks are first
-      written (what a one-shot ``plinth generate`` wants).
+    - ``kv_cache_prefault``: ask the backend to back every page of the KV cache at start-up
+      (``Backend.allocate_kv_cache(prefault=True)``), so no step pays for the first touch of its pages
+      (what a long-running server wants; the cpu backend: 1.2 s for 1 GiB on the dev VM, and the
+      64-request throughput workload ran 4% faster); False: a backend that maps its cache lazily has
+      pages faulted in as blocks are first written (what a one-shot ``plinth generate`` wants).
     - ``num_kv_blocks`` (>= 2): exact number of KV blocks (overrides memory).
     - ``strict``: refuse reference-kernel fallbacks instead of warning.
     - ``allow_pickle``: allow loading pickle (.bin/.pt) checkpoints.
-    - ``num_threads`` (>= 1): host threads for CPU kernels.
+    - ``num_threads`` (>= 1): host threads for the backend's kernels (``DeviceServices.set_num_threads``).
     - ``enforce_eager``: run every step eagerly; False: replay decode steps from step graphs where
       the backend can.
     - ``quantization``: "auto" keeps a checkpoint's quantized weights where the backend multiplies

@@ -26,7 +26,7 @@ from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
 from plinth_cpu.gemm import CpuGemm, NativeGemm
 from plinth_cpu.host_memory import huge_page_tensor
 from plinth_cpu.native import QUANT_FORMATS, NativeGraph, NativeKernels, native, native_loaded, native_status
-from plinth_cpu.ops import CpuOps
+from plinth_cpu.ops import CpuOps, TorchOps
 
 try:
     __version__ = metadata.version("plinth-cpu")
@@ -149,7 +149,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     version = __version__
-    api_version = (1, 3)
+    api_version = (1, 4)  # set_num_threads, read_probes, allocate_kv_cache(prefault=), SmallOps.argmax
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:
@@ -232,7 +232,7 @@ class CpuBackend(Backend):
         return CpuGemm(torch_dtype(dtype)) if kernels is None else NativeGemm(torch_dtype(dtype), kernels)
 
     def small_ops(self) -> SmallOps:
-        """RMSNorm, SiLU-and-mul and rotary: :class:`CpuOps` (native for fp32) with the native
-        kernels, else torch's defaults."""
+        """RMSNorm, SiLU-and-mul, rotary and the sampler's argmax: :class:`CpuOps` (native for fp32)
+        with the native kernels, else :class:`TorchOps` (torch's defaults and the sliced argmax)."""
         kernels = native()
-        return SmallOps() if kernels is None else CpuOps(kernels)
+        return TorchOps() if kernels is None else CpuOps(kernels)

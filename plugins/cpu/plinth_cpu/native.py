@@ -21,78 +21,24 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from ctypes import c_float, c_int, c_int64, c_void_p
+from ctypes import c_float
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from plinth_cpu.abi import ABI_VERSION, FUNCTIONS, GRAPH_OPS, HEADER, RecordedOp
 from plinth_cpu.host_memory import huge_page_tensor
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-ABI_VERSION = 7
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
 
-_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "plinth_abi_version": (c_int, []),
-    "plinth_set_num_threads": (None, [c_int]),
-    "plinth_get_num_threads": (c_int, []),
-    "plinth_read_probe": (None, [c_void_p, c_void_p, c_int64]),
-    "plinth_gemm_f32": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
-    "plinth_pack_f32_panels": (None, [c_void_p, c_void_p, c_int64, c_int64]),
-    "plinth_gemm_f32_panels": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
-    "plinth_dequant_panels": (c_int, [c_int, c_void_p, c_void_p, c_int64, c_int64]),
-    "plinth_gemm_quant": (c_int, [c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
-    "plinth_dequant": (None, [c_int, c_void_p, c_void_p, c_int64, c_int64]),
-    "plinth_round_trip_q8": (None, [c_void_p, c_void_p, c_int64, c_int64]),
-    "plinth_gemm_dequant": (c_int, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64]),
-    "plinth_rms_norm": (None, [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_float]),
-    "plinth_silu_and_mul": (None, [c_void_p, c_void_p, c_int64, c_int64]),
-    "plinth_rotary": (None, [c_void_p, c_int64, c_void_p, c_void_p, c_void_p] + [c_int64] * 4),
-    "plinth_write_kv": (None, [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p] + [c_int64] * 5),
-    "plinth_decode_attention": (
-        c_int,
-        [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_void_p]
-        + [c_int64] * 6
-        + [c_float, c_int64, c_float],
-    ),
-    "plinth_prefill_attention": (
-        c_int,
-        [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_void_p]
-        + [c_int64] * 6
-        + [c_float, c_int64, c_float],
-    ),
-    "plinth_graph_run": (c_int64, [c_void_p, c_int64, c_int64, c_int64]),
-}
-
 #: Activation handling of ``plinth_gemm_quant``: name -> code.
 ACTIVATIONS: dict[str, int] = {"fp32": 0, "int8": 1, "int16": 2}
-
-#: Calls a step graph can record, with their kind in ``plinth_graph_run`` (csrc/kernels.c).
-GRAPH_OPS: dict[str, int] = {
-    "plinth_gemm_f32": 1,
-    "plinth_gemm_quant": 2,
-    "plinth_gemm_dequant": 3,
-    "plinth_dequant": 4,
-    "plinth_round_trip_q8": 5,
-    "plinth_rms_norm": 6,
-    "plinth_silu_and_mul": 7,
-    "plinth_rotary": 8,
-    "plinth_write_kv": 9,
-    "plinth_decode_attention": 10,
-    "plinth_gemm_f32_panels": 11,
-    "plinth_dequant_panels": 12,
-}
-
-
-class _Op(ctypes.Structure):
-    """One recorded call (``plinth_op``): integer/pointer arguments in order, then float ones."""
-
-    _fields_ = [("kind", c_int64), ("a", c_int64 * 14), ("f", c_float * 4)]
 
 
 class GraphError(RuntimeError):
@@ -109,11 +55,11 @@ class NativeGraph:
     def __init__(self, lib: ctypes.CDLL, calls: list[tuple[str, tuple[object, ...]]]) -> None:
         self._run = lib.plinth_graph_run
         self.names = [name for name, _ in calls]
-        self._ops = (_Op * len(calls))()
+        self._ops = (RecordedOp * len(calls))()
         for op, (name, args) in zip(self._ops, calls, strict=True):
             op.kind = GRAPH_OPS[name]
             ints = floats = 0
-            for arg, kind in zip(args, _SIGNATURES[name][1], strict=True):
+            for arg, kind in zip(args, FUNCTIONS[name].argtypes(), strict=True):
                 if kind is c_float:
                     op.f[floats] = float(arg)  # type: ignore[arg-type]
                     floats += 1
@@ -190,7 +136,8 @@ def _cpu_flags() -> set[str] | None:
 
 def library_path(compiler: str) -> Path:
     """The cached library's path for this source, these flags and ``compiler``."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    sources = SOURCE.read_bytes() + HEADER.read_bytes()
+    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     return cache_dir() / "cpu-kernels" / key / "libplinth_cpu.so"
 
 
@@ -217,10 +164,10 @@ class NativeKernels:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        for name, (restype, argtypes) in _SIGNATURES.items():
+        for name, signature in FUNCTIONS.items():
             fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
+            fn.restype = signature.restype()
+            fn.argtypes = signature.argtypes()
         if lib.plinth_abi_version() != ABI_VERSION:
             raise NativeBuildError(f"{path}: ABI {lib.plinth_abi_version()}, expected {ABI_VERSION}")
         self.lib = lib

@@ -8,13 +8,21 @@ from plinth.platform.backend import SmallOps
 from plinth_cpu.native import NativeKernels
 
 
-class CpuOps(SmallOps):
-    """:class:`SmallOps` with one native call per op where the operands are fp32 (else torch's).
+class TorchOps(SmallOps):
+    """The backend's ops without native kernels: torch's defaults, and the sliced argmax."""
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices: :func:`sliced_argmax`."""
+        return sliced_argmax(x)
+
+
+class CpuOps(TorchOps):
+    """:class:`TorchOps` with one native call per op where the operands are fp32 (else torch's).
 
     Each torch default is several kernels over the activations (RMSNorm: square, mean, rsqrt,
     two multiplies); at decode sizes their dispatch costs more than the arithmetic. The backend
-    registers it only where the native kernels load (else plain :class:`SmallOps`); the checks left
-    in each op are of its operands (dtype, shape, strides), which the native calls need.
+    registers it only where the native kernels load (else :class:`TorchOps`); the checks left in
+    each op are of its operands (dtype, shape, strides), which the native calls need.
     """
 
     def __init__(self, native: NativeKernels) -> None:
@@ -61,10 +69,6 @@ class CpuOps(SmallOps):
         ):
             return super().rotary(x, positions, cos_sin, rotary_dim)
         return self.native.rotary(x, positions.contiguous(), cos_sin.contiguous(), rotary_dim)
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """``x.argmax(dim=-1)`` of a 2-D tensor, the same indices: :func:`sliced_argmax`."""
-        return sliced_argmax(x)
 
 
 #: Vocabulary slice of :func:`sliced_argmax`; rows shorter than ``4 * ARGMAX_CHUNK`` take one argmax.

@@ -33,7 +33,7 @@ from plinth.platform.backend import (
     torch_dtype,
 )
 from plinth_triton import runtime
-from plinth_triton.ops import KernelTarget, TritonAttention, TritonGemm, TritonSmallOps
+from plinth_triton.ops import InterpreterTarget, KernelTarget, TritonAttention, TritonGemm, TritonSmallOps
 
 #: Score on a usable GPU: above every CPU backend.
 HARDWARE_SCORE = 100
@@ -75,8 +75,65 @@ class InterpreterServices(DeviceServices):
         super().__init__(torch.device("cpu"))
 
 
+class _Hardware:
+    """Hardware mode: the vendor's probe, GPU services, the arch's launch target, CUDA graphs declared."""
+
+    emulation = False
+
+    def probe(self, backend: TritonBackend) -> Probe:
+        return backend.probe_hardware()
+
+    def features(self) -> frozenset[str]:
+        # Launches never read device memory on the host, so a step can be captured; the core has
+        # no capture hook yet (docs/gpu.md), so this only declares it.
+        return frozenset({"sliding_window", "logits_soft_cap", "cuda_graphs"})
+
+    def services(self) -> DeviceServices:
+        index = torch.cuda.current_device()
+        default = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return GpuServices(torch.device("cuda", index), default)
+
+    def target(self, backend: TritonBackend) -> KernelTarget:
+        return KernelTarget(backend.arch(), amd=backend.amd)
+
+
+class _Interpreter:
+    """Interpreter mode: Triton's interpreter on CPU tensors, labelled emulation."""
+
+    emulation = True
+
+    def probe(self, backend: TritonBackend) -> Probe:
+        status = runtime.triton_status()
+        if not status.available:
+            return Probe(0, (f"{runtime.INTERPRET_ENV}=1, but {status.detail}",), INTERPRETER_DEVICE, True)
+        reasons = (
+            f"{runtime.INTERPRET_ENV}=1: the {backend.vendor} backend's Triton kernels run in Triton's "
+            f"interpreter on CPU tensors (for tests; select it by name: --backend {backend.name})",
+            status.detail,
+            "emulation: not a hardware certification",
+        )
+        return Probe(INTERPRETER_SCORE, reasons, INTERPRETER_DEVICE, emulation=True)
+
+    def features(self) -> frozenset[str]:
+        return frozenset({"sliding_window", "logits_soft_cap"})
+
+    def services(self) -> DeviceServices:
+        return InterpreterServices()
+
+    def target(self, backend: TritonBackend) -> KernelTarget:
+        return InterpreterTarget()
+
+
+_MODES: dict[bool, _Hardware | _Interpreter] = {False: _Hardware(), True: _Interpreter()}
+
+
 class TritonBackend(Backend):
-    """Base of the Triton-kernel backends. Subclasses set ``name``, ``vendor``, ``communicator``."""
+    """Base of the Triton-kernel backends. Subclasses set ``name``, ``vendor``, ``communicator``.
+
+    What differs between hardware and interpreter mode lives in one mode object per mode
+    (``_Hardware``, ``_Interpreter``), looked up in one place (:meth:`mode`); no method asks which
+    mode it is in.
+    """
 
     api_version = (1, 1)
     #: Human name of the platform, for reasons ("CUDA", "ROCm").
@@ -106,28 +163,16 @@ class TritonBackend(Backend):
         """True in interpreter mode (``PLINTH_TRITON_INTERPRET=1``)."""
         return runtime.interpret_requested()
 
+    def mode(self) -> _Hardware | _Interpreter:
+        """The mode the environment asks for now: the one place it is read."""
+        return _MODES[self.interpreting()]
+
     def probe(self) -> Probe:
         """Interpreter mode when requested, else the hardware probe. Never raises for missing hardware."""
-        if not self.interpreting():
-            return self.probe_hardware()
-        status = runtime.triton_status()
-        if not status.available:
-            return Probe(0, (f"{runtime.INTERPRET_ENV}=1, but {status.detail}",), INTERPRETER_DEVICE, True)
-        reasons = (
-            f"{runtime.INTERPRET_ENV}=1: the {self.vendor} backend's Triton kernels run in Triton's "
-            f"interpreter on CPU tensors (for tests; select it by name: --backend {self.name})",
-            status.detail,
-            "emulation: not a hardware certification",
-        )
-        return Probe(INTERPRETER_SCORE, reasons, INTERPRETER_DEVICE, emulation=True)
+        return self.mode().probe(self)
 
     def capabilities(self) -> Capabilities:
         """The same envelope in both modes; ``cuda_graphs`` only on hardware."""
-        features = {"sliding_window", "logits_soft_cap"}
-        if not self.interpreting():
-            # Launches never read device memory on the host, so a step can be captured; the core has
-            # no capture hook yet (docs/gpu.md), so this only declares it.
-            features.add("cuda_graphs")
         return Capabilities(
             dtypes=_DTYPES,
             kv_cache_dtypes=_DTYPES,
@@ -135,7 +180,7 @@ class TritonBackend(Backend):
             head_sizes=frozenset({16, 32, 64, 80, 96, 112, 128, 160, 192, 256}),
             block_sizes=(16, 32, 64),
             max_gqa_ratio=None,
-            features=frozenset(features),
+            features=self.mode().features(),
             # no ggml block format (plinth.platform.quant) yet: the GEMM's int8/int4 weight-only formats
             # are its own, made by plinth_triton.quant.quantize, not by the core's loader
             quant_formats=frozenset(),
@@ -144,21 +189,14 @@ class TritonBackend(Backend):
 
     def device_services(self) -> DeviceServices:
         """GPU services on hardware, host services in interpreter mode (one object per mode)."""
-        interpret = self.interpreting()
-        if interpret not in self._services:
-            if interpret:
-                self._services[interpret] = InterpreterServices()
-            else:
-                index = torch.cuda.current_device()
-                default = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-                self._services[interpret] = GpuServices(torch.device("cuda", index), default)
-        return self._services[interpret]
+        mode = self.mode()
+        if mode.emulation not in self._services:
+            self._services[mode.emulation] = mode.services()
+        return self._services[mode.emulation]
 
     def target(self) -> KernelTarget:
         """Where and how kernels launch now."""
-        if self.interpreting():
-            return KernelTarget("interpreter", interpret=True)
-        return KernelTarget(self.arch(), amd=self.amd)
+        return self.mode().target(self)
 
     def attention_kernels(self, spec: AttentionSpec) -> AttentionKernels:
         """:class:`TritonAttention` for ``spec``; :class:`NotSupported` with reasons otherwise."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 
@@ -35,28 +36,55 @@ def _kernels(name: str) -> ModuleType:
 
 @dataclass(frozen=True, slots=True)
 class KernelTarget:
-    """Where kernels launch: an architecture key of the config tables, and how.
+    """Where kernels launch on a GPU: an architecture key of the config tables, and how.
 
-    ``interpret``: Triton's interpreter on CPU tensors (one config, dots upcast to fp32, no launch
-    options). ``amd``: pass AMD-only launch options (``waves_per_eu``) from the tables.
+    ``amd``: pass AMD-only launch options (``waves_per_eu``) from the tables. Interpreter runs get an
+    :class:`InterpreterTarget` instead, chosen once by the backend, so no kernel asks which it has.
     """
 
     arch: str
-    interpret: bool = False
     amd: bool = False
 
+    #: Upcast bf16/fp16 operands to fp32 before ``tl.dot`` (the interpreter's bug, not a GPU's).
+    upcast: ClassVar[bool] = False
+    #: Tokens per program of the KV write.
+    write_kv_block_t: ClassVar[int] = 4
+    #: Rows per program of RMSNorm: a GPU pays per row.
+    rows_per_program: ClassVar[int] = 1
+
     def launch(self, num_warps: int, num_stages: int, extra: dict[str, int] | None = None) -> dict[str, int]:
-        """Launch options for one kernel call (none in the interpreter, which ignores them)."""
-        if self.interpret:
-            return {}
+        """Launch options for one kernel call."""
         options = {"num_warps": num_warps, "num_stages": num_stages}
         if self.amd and extra:
             options.update(extra)
         return options
 
+    def gemm_tiles(self, block_n: int, block_k: int, n: int, k: int) -> tuple[int, int]:
+        """The GEMM's ``(block_n, block_k)`` for an ``[n, k]`` weight: the config table's on a GPU."""
+        return block_n, block_k
+
     def attention(self) -> AttentionConfig:
         """The attention tiles for this target."""
         return attention_config(self.arch)
+
+
+@dataclass(frozen=True, slots=True)
+class InterpreterTarget(KernelTarget):
+    """Triton's interpreter on CPU tensors: one config, dots upcast to fp32, no launch options."""
+
+    arch: str = "interpreter"
+
+    upcast: ClassVar[bool] = True
+    write_kv_block_t: ClassVar[int] = 16
+    rows_per_program: ClassVar[int] = 16  # the interpreter pays per program
+
+    def launch(self, num_warps: int, num_stages: int, extra: dict[str, int] | None = None) -> dict[str, int]:
+        """None: the interpreter ignores launch options."""
+        return {}
+
+    def gemm_tiles(self, block_n: int, block_k: int, n: int, k: int) -> tuple[int, int]:
+        """The table's tiles are wide (see configs): never wider than the matrix here."""
+        return min(block_n, max(16, 1 << (n - 1).bit_length())), min(block_k, max(16, 1 << (k - 1).bit_length()))
 
 
 class TritonAttention(AttentionKernels):
@@ -81,7 +109,7 @@ class TritonAttention(AttentionKernels):
             kv_cache[0],
             kv_cache[1],
             slot_mapping,
-            block_t=16 if self.target.interpret else 4,
+            block_t=self.target.write_kv_block_t,
             launch=self.target.launch(4, 1),
         )
 
@@ -120,7 +148,7 @@ class TritonAttention(AttentionKernels):
             block_m=cfg.decode_block_m if decode_only else cfg.block_m,  # a decode has 1 token: fewer rows
             tile_n=cfg.tile_n,
             num_segments=cfg.num_segments if split else 1,
-            upcast=self.target.interpret,
+            upcast=self.target.upcast,
             launch=self.target.launch(cfg.num_warps, cfg.num_stages, cfg.extra),
         )
         return out
@@ -169,10 +197,7 @@ class TritonGemm(GemmKernels):
         else:
             w, scale, group = weight.data["qweight"], weight.data["scale"], weight.data["group_size"]
         cfg = gemm_config(self.target.arch, x2.shape[0])
-        block_n, block_k = cfg.block_n, cfg.block_k
-        if self.target.interpret:  # its tiles are wide (see configs): never wider than the matrix
-            block_n = min(block_n, max(16, 1 << (weight.out_features - 1).bit_length()))
-            block_k = min(block_k, max(16, 1 << (weight.in_features - 1).bit_length()))
+        block_n, block_k = self.target.gemm_tiles(cfg.block_n, cfg.block_k, weight.out_features, weight.in_features)
         self._gemm.gemm(
             x2,
             w,
@@ -186,7 +211,7 @@ class TritonGemm(GemmKernels):
             block_n=block_n,
             block_k=block_k,
             group_m=cfg.group_m,
-            upcast=self.target.interpret,
+            upcast=self.target.upcast,
             launch=self.target.launch(cfg.num_warps, cfg.num_stages, cfg.extra),
         )
         return out.view(*lead, weight.out_features)
@@ -199,15 +224,12 @@ class TritonSmallOps(SmallOps):
         self.target = target
         self._norm_rope = _kernels("norm_rope")
 
-    def _rows_per_program(self) -> int:
-        return 16 if self.target.interpret else 1  # the interpreter pays per program, a GPU per row
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim: ``x / rms(x) * weight``, computed in fp32."""
         if x.dtype not in KERNEL_DTYPES:
             return super().rms_norm(x, weight, eps)
         return self._norm_rope.rms_norm(
-            x, weight, eps, None, block_r=self._rows_per_program(), launch=self.target.launch(4, 1)
+            x, weight, eps, None, block_r=self.target.rows_per_program, launch=self.target.launch(4, 1)
         )
 
     def add_rms_norm(
@@ -217,7 +239,7 @@ class TritonSmallOps(SmallOps):
         if x.dtype not in KERNEL_DTYPES or residual.dtype != x.dtype or not residual.is_contiguous():
             return super().add_rms_norm(x, residual, weight, eps)
         normed = self._norm_rope.rms_norm(
-            x, weight, eps, residual, block_r=self._rows_per_program(), launch=self.target.launch(4, 1)
+            x, weight, eps, residual, block_r=self.target.rows_per_program, launch=self.target.launch(4, 1)
         )
         return normed, residual
 

@@ -264,7 +264,7 @@ def test_device_services_and_small_ops() -> None:
     free, total = services.memory_info()
     assert 0 < free <= total
     assert isinstance(be.small_ops(), SmallOps)
-    assert type(be.small_ops()).__name__ == ("CpuOps" if native() is not None else "SmallOps")
+    assert type(be.small_ops()).__name__ == ("CpuOps" if native() is not None else "TorchOps")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

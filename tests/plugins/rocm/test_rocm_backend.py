@@ -78,7 +78,7 @@ def test_probe_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert probe.score == HARDWARE_SCORE and not probe.emulation and probe.device_name == "AMD Instinct MI300X"
     assert "(gfx942)" in probe.reasons[0] and "180.0 GiB free of 192.0 GiB" in probe.reasons[1]
     target = RocmBackend().target()
-    assert target.arch == "gfx942" and target.amd and not target.interpret
+    assert target.arch == "gfx942" and target.amd and not target.upcast
     launch = target.launch(4, 1, target.attention().extra)
     assert launch["waves_per_eu"] == 2 and launch["num_warps"] == 4
     assert "cuda_graphs" in RocmBackend().capabilities().features

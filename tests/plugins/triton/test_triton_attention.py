@@ -21,9 +21,9 @@ MIXED = [(1, 1), (1, 15), (5, 16), (1, 17), (12, 40), (0, 9), (3, 50), (20, 20)]
 
 
 def _kernels(spec: AttentionSpec):  # noqa: ANN202 - TritonAttention, imported lazily like the backend does
-    from plinth_triton.ops import KernelTarget, TritonAttention
+    from plinth_triton.ops import InterpreterTarget, TritonAttention
 
-    return TritonAttention(spec, KVCacheLayout(), KernelTarget("interpreter", interpret=True))
+    return TritonAttention(spec, KVCacheLayout(), InterpreterTarget())
 
 
 def check(batch: PagedBatch, tol: float = 2e-5) -> torch.Tensor:

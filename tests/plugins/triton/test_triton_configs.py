@@ -44,3 +44,19 @@ def test_tiles_fit_tensor_cores() -> None:
             cfg = gemm_config(arch, m)
             assert min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16
     assert attention_config("gfx90a").num_warps <= attention_config("sm80").num_warps
+
+
+def test_each_target_carries_its_mode() -> None:
+    """The interpreter's differences live in InterpreterTarget, chosen once by the backend: no kernel
+    asks which mode it runs in."""
+    from plinth_triton.ops import InterpreterTarget, KernelTarget
+
+    gpu, amd, interp = KernelTarget("sm90"), KernelTarget("gfx942", amd=True), InterpreterTarget()
+    assert (gpu.upcast, gpu.write_kv_block_t, gpu.rows_per_program) == (False, 4, 1)
+    assert (interp.upcast, interp.write_kv_block_t, interp.rows_per_program) == (True, 16, 16)
+    assert gpu.launch(4, 2, {"waves_per_eu": 2}) == {"num_warps": 4, "num_stages": 2}
+    assert amd.launch(4, 2, {"waves_per_eu": 2}) == {"num_warps": 4, "num_stages": 2, "waves_per_eu": 2}
+    assert interp.launch(4, 2, {"waves_per_eu": 2}) == {}
+    assert gpu.gemm_tiles(128, 64, 20, 40) == (128, 64)
+    assert interp.gemm_tiles(128, 64, 20, 40) == (32, 64)  # never wider than the matrix
+    assert interp.arch == "interpreter"

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.triton_interpret
 
 
 def _gemm(dtype: torch.dtype) -> GemmKernels:
-    from plinth_triton.ops import KernelTarget, TritonGemm
+    from plinth_triton.ops import InterpreterTarget, TritonGemm
 
-    return TritonGemm(dtype, torch.device("cpu"), KernelTarget("interpreter", interpret=True))
+    return TritonGemm(dtype, torch.device("cpu"), InterpreterTarget())
 
 
 def _data(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,9 +11,9 @@ pytestmark = pytest.mark.triton_interpret
 
 
 def _ops() -> SmallOps:
-    from plinth_triton.ops import KernelTarget, TritonSmallOps
+    from plinth_triton.ops import InterpreterTarget, TritonSmallOps
 
-    return TritonSmallOps(KernelTarget("interpreter", interpret=True))
+    return TritonSmallOps(InterpreterTarget())
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

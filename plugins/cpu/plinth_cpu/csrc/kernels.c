@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "abi.h" /* the exported prototypes and the step-graph ops, generated from abi.py */
+
 #define QK 32
 
 typedef struct {
@@ -100,7 +102,7 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-int plinth_abi_version(void) { return 7; }
+int plinth_abi_version(void) { return PLINTH_ABI_VERSION; }
 
 /* ---------------------------------------------------------------------------------------------
  * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
@@ -1585,49 +1587,9 @@ int plinth_prefill_attention(const float *q, int64_t sq, const float *cache, con
  * Step graphs: a recorded sequence of the calls above, replayed in one call. The Python side
  * records each call's arguments as it runs once (native.py, NativeGraph); replaying skips the
  * Python that issued them (at batch 1 that Python cost as much as the arithmetic). Every pointer
- * is fixed at recording: the caller refills the same buffers before each replay.
+ * is fixed at recording: the caller refills the same buffers before each replay. The op kinds,
+ * the recorded-op struct (plinth_op) and the switch that runs one (run_op) are generated into abi.h.
  */
-enum {
-    OP_GEMM_F32 = 1,
-    OP_GEMM_QUANT,
-    OP_GEMM_DEQUANT,
-    OP_DEQUANT,
-    OP_ROUND_TRIP_Q8,
-    OP_RMS_NORM,
-    OP_SILU_AND_MUL,
-    OP_ROTARY,
-    OP_WRITE_KV,
-    OP_DECODE_ATTENTION,
-    OP_GEMM_F32_PANELS = 11,
-    OP_DEQUANT_PANELS = 12,
-};
-
-/* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
-typedef struct {
-    int64_t kind;
-    int64_t a[14];
-    float f[4];
-} plinth_op;
-
-#define P(i) ((void *)(intptr_t)op->a[i])
-
-/* Where an op of `kind` holds its row count (the step's tokens, one per sequence in a decode
- * step) in plinth_op.a; -1: the op has none (a weight's dequantization). */
-static int op_rows_arg(int64_t kind) {
-    switch (kind) {
-    case OP_GEMM_F32:
-    case OP_GEMM_F32_PANELS:
-    case OP_RMS_NORM: return 4;
-    case OP_GEMM_QUANT:
-    case OP_WRITE_KV: return 6;
-    case OP_GEMM_DEQUANT:
-    case OP_ROTARY: return 5;
-    case OP_ROUND_TRIP_Q8:
-    case OP_SILU_AND_MUL: return 2;
-    case OP_DECODE_ATTENTION: return 7;
-    default: return -1;
-    }
-}
 
 /* Runs ops[0..n) in order. Recorded with `captured` rows, the ops run over the first `rows`
  * (<= captured) only: every op kind with a row count works row by row, so an op whose row count
@@ -1638,58 +1600,15 @@ int64_t plinth_graph_run(const plinth_op *ops, int64_t n, int64_t captured, int6
     for (int64_t i = 0; i < n; i++) {
         const plinth_op *op = ops + i;
         plinth_op shrunk;
-        int r = op_rows_arg(op->kind), failed = 0;
+        int r = op_rows_arg(op->kind), failed;
         if (rows > 0 && rows < captured && r >= 0 && op->a[r] == captured) {
             shrunk = *op;
             shrunk.a[r] = rows;
             op = &shrunk;
         }
-        switch (op->kind) {
-        case OP_GEMM_F32:
-            plinth_gemm_f32(P(0), P(1), P(2), P(3), op->a[4], op->a[5], op->a[6]);
-            break;
-        case OP_GEMM_QUANT:
-            failed = plinth_gemm_quant((int)op->a[0], (int)op->a[1], P(2), P(3), P(4), P(5), op->a[6], op->a[7],
-                                       op->a[8]);
-            break;
-        case OP_GEMM_DEQUANT:
-            failed = plinth_gemm_dequant((int)op->a[0], P(1), P(2), P(3), P(4), op->a[5], op->a[6], op->a[7]);
-            break;
-        case OP_DEQUANT:
-            plinth_dequant((int)op->a[0], P(1), P(2), op->a[3], op->a[4]);
-            break;
-        case OP_ROUND_TRIP_Q8:
-            plinth_round_trip_q8(P(0), P(1), op->a[2], op->a[3]);
-            break;
-        case OP_RMS_NORM:
-            plinth_rms_norm(P(0), P(1), P(2), P(3), op->a[4], op->a[5], op->f[0]);
-            break;
-        case OP_SILU_AND_MUL:
-            plinth_silu_and_mul(P(0), P(1), op->a[2], op->a[3]);
-            break;
-        case OP_ROTARY:
-            plinth_rotary(P(0), op->a[1], P(2), P(3), P(4), op->a[5], op->a[6], op->a[7], op->a[8]);
-            break;
-        case OP_WRITE_KV:
-            plinth_write_kv(P(0), op->a[1], P(2), op->a[3], P(4), P(5), op->a[6], op->a[7], op->a[8], op->a[9],
-                            op->a[10]);
-            break;
-        case OP_DECODE_ATTENTION:
-            failed = plinth_decode_attention(P(0), op->a[1], P(2), P(3), op->a[4], P(5), P(6), op->a[7], op->a[8],
-                                             op->a[9], op->a[10], op->a[11], op->a[12], op->f[0], op->a[13],
-                                             op->f[1]);
-            break;
-        case OP_GEMM_F32_PANELS:
-            plinth_gemm_f32_panels(P(0), P(1), P(2), P(3), op->a[4], op->a[5], op->a[6]);
-            break;
-        case OP_DEQUANT_PANELS:
-            failed = plinth_dequant_panels((int)op->a[0], P(1), P(2), op->a[3], op->a[4]);
-            break;
-        default:
-            return -(i + 1);
-        }
+        failed = run_op(op);
+        if (failed < 0) return -(i + 1);
         if (failed) return i + 1;
     }
     return 0;
 }
-#undef P
