@@ -45,7 +45,11 @@ def allocate_kv_caches(
     allocate = backend.allocate_kv_cache
     if "prefault" in inspect.signature(allocate).parameters:
         return [allocate(spec, num_blocks, prefault=prefault) for spec in specs]
-    return [allocate(spec, num_blocks) for spec in specs]
+    caches = [allocate(spec, num_blocks) for spec in specs]
+    if prefault:
+        for cache in caches:
+            cache.zero_()  # what the engine did for every backend before 1.4: every page touched now
+    return caches
 
 
 class InvalidRequest(ValueError):

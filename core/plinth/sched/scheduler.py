@@ -189,6 +189,9 @@ class Scheduler(Generic[P]):
         """Abort every unfinished sequence and forget a scheduled step that never reached ``update()``
         (the model raised): afterwards the scheduler is empty and ready for new requests."""
         aborted = [self.abort_request(sid) for sid in list(self._requests)]
+        # an update() that raised midway finished (and forgot) some sequences without dequeuing them
+        self.running = []
+        self.waiting.clear()
         self._pending = None
         self._pending_requests = []
         return [r for r in aborted if r is not None]

@@ -24,7 +24,7 @@ from plinth.runtime.outputs import CompletionOutput, RequestOutput
 from plinth.sampling_params import SamplingParams
 from plinth.server.errors import APIError, as_api_error, error_body, invalid_parameter
 from plinth.server.openapi import ERRORS
-from plinth.server.protocol import Bool, Float, Int, Text
+from plinth.server.protocol import Bool, Float, Int, StopList, Text
 from plinth.server.state import ServerState, engine_outputs, get_state
 from plinth.server.streams import (
     ChoiceCursor,
@@ -91,7 +91,7 @@ class MessagesRequest(CountTokensRequest):
     """The body of ``POST /v1/messages``."""
 
     max_tokens: Int = Field(..., ge=1, le=2**31 - 1)
-    stop_sequences: list[Text] | None = None
+    stop_sequences: StopList | None = None
     temperature: Float | None = Field(None, ge=0.0, le=1.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     top_k: Int | None = Field(None, ge=0, le=2**31 - 1)

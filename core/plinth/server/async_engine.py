@@ -134,8 +134,8 @@ class AsyncEngine:
         """End every request now, each consumer getting :class:`EngineStopped` (``reason``), and
         refuse new ones: the drain's deadline. The number of engine requests ended."""
         self._stopping = True
-        if self._thread is None or self._loop is None:
-            return 0
+        if self._thread is None or self._loop is None or not self._thread.is_alive():
+            return 0  # no engine thread to take the command: nothing would ever resolve it
         loop = self._loop
         done: asyncio.Future[int] = loop.create_future()
 

@@ -91,7 +91,13 @@ class Drain:
             await _wait(cut_now, min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
         self.clean = st.in_flight == 0
         if not self.clean:
-            self.num_cut = await st.engine.abort_all("the server shut down before the request finished")
+            try:
+                # bounded: an engine thread stuck in a long step (or dead) must not hold the exit
+                self.num_cut = await asyncio.wait_for(
+                    st.engine.abort_all("the server shut down before the request finished"), CUT_GRACE_S
+                )
+            except TimeoutError:
+                logger.error("the engine did not take the abort within %.1f s: exiting without it", CUT_GRACE_S)
             logger.warning(
                 "drain timeout: %d request(s) still in flight, %d engine request(s) ended with an error",
                 st.in_flight,

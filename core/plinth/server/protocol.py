@@ -35,6 +35,12 @@ MAX_PROMPTS = 256  # prompts in one batched completion request
 #: user text: a str that is valid Unicode (a lone surrogate, which JSON's "\ud800" allows, is a 400
 #: naming the field here, instead of a TypeError in the tokenizer or when the answer is encoded)
 Text = Annotated[str, AfterValidator(check_text)]
+#: stop strings: the stream's holdback scans each against the text's end for every chunk, on the
+#: event loop, so their number and length are bounded (OpenAI takes up to 4)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+StopText = Annotated[str, AfterValidator(check_text), Field(max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
 #: numbers and flags are taken as JSON gives them: "10", "yes" and true-as-1 are refused, not coerced
 Int = StrictInt
 Bool = StrictBool
@@ -61,7 +67,7 @@ class SamplingFields(_Strict):
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
-    stop: Text | list[Text] | None = None
+    stop: StopText | StopList | None = None
     seed: Int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stream: Bool = False
     stream_options: StreamOptions | None = None

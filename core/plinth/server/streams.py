@@ -195,11 +195,20 @@ class ChoiceCursor:
 
 
 def partial_stop(text: str, stops: list[str]) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of one of ``stops``."""
+    """The length of the longest suffix of ``text`` that is a proper prefix of one of ``stops``.
+
+    Runs for every chunk of every stream, on the event loop: only the prefix lengths ``k`` whose last
+    character is the text's last character are compared (found with ``rfind``), not every ``k``."""
+    if not text:
+        return 0
+    last = text[-1]
     best = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
+        # a prefix stop[:k] can end the text only if stop[k - 1] == last; try the longest first
+        i = stop.rfind(last, 0, min(len(stop) - 1, len(text)))
+        while i >= best:
+            if text.endswith(stop[: i + 1]):
+                best = i + 1
                 break
+            i = stop.rfind(last, 0, i)
     return best

@@ -343,6 +343,26 @@ def test_abort_waiting_running_and_mid_step() -> None:
     assert s.kv_cache_manager.num_free_blocks == 63 and s.kv_cache_manager.num_requests == 0
 
 
+def test_abort_all_after_an_update_that_raised_midway() -> None:
+    # a finished its last token inside the update that then raised (b's token missing, as when a
+    # Ctrl-C lands mid-step): abort_all must leave no finished sequence queued, or every later
+    # schedule() would run it again
+    s = sched()
+    a, b = make("a", 5, max_tokens=1), make("b", 5, max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        s.update(out, {sid("a"): 1})
+    s.abort_all()
+    assert s.num_running == 0 and not s.has_unfinished()
+    c = make("c", 5)
+    s.add_request(c)
+    out, advanced = step(s)
+    assert [x.seq_id for x in out.scheduled] == [sid("c")] and advanced == [c]
+    assert s.kv_cache_manager.num_requests == 1
+
+
 def test_finish_request_from_the_engine() -> None:
     s = sched()
     r = make("a", 5, max_tokens=10)

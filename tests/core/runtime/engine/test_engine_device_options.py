@@ -61,7 +61,8 @@ class _Before14(ReferenceBackend):
 
     def allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int) -> torch.Tensor:  # type: ignore[override]
         self.allocated += 1
-        return torch.zeros(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        # garbage where a lazily mapped cache would hold untouched pages: a prefault must write it
+        return torch.full((2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size), 7.0)
 
 
 class _Plugin:
@@ -104,6 +105,10 @@ def test_an_allocator_without_prefault_is_called_without_it() -> None:
     old = _Before14()
     caches = allocate_kv_caches(old, [SPEC, SPEC], 4, prefault=True)
     assert old.allocated == 2 and [tuple(c.shape) for c in caches] == [(2, 4, 16, 2, 16)] * 2
+    # the engine touches every page itself, as it did for every backend before 1.4
+    assert not any(bool(c.any()) for c in caches)
+    [untouched] = allocate_kv_caches(old, [SPEC], 4, prefault=False)
+    assert bool((untouched == 7.0).all())
 
 
 def test_the_default_allocator_takes_prefault_and_writes_zeros() -> None:
