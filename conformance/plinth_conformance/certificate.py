@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plinth_conformance import SUITE_VERSION, TIERS
+from plinth_conformance.coverage import covered
 from plinth_conformance.tolerance import POLICY
 
 if TYPE_CHECKING:
@@ -207,6 +208,7 @@ def build_certificate(state: SuiteState, keyword: str | None = None) -> dict[str
         "tolerances": _tolerance_summary(state),
         "quantized": _quantized_summary(state),
         "perf": {"roofline": state.roofline, "kernels": state.perf},
+        "coverage": covered(state.covered, backend.capabilities() if backend is not None else None),
         "failures": state.failures,
     }
 
@@ -278,11 +280,44 @@ def summary_markdown(cert: dict[str, Any]) -> str:
                 f"| {k['name']} | {k['shape']} | {k['ms']:.3f} | {k['achieved']:.1f} {k['unit']} | "
                 f"{k['percent']:.1f}% of {k['bound']} |"
             )
+    lines += _coverage_lines(cert.get("coverage") or {})
     if cert["failures"]:
         lines += ["", "## Failures", ""]
         for f in cert["failures"]:
             lines.append(f"- `{f['case']}` ({f['tier']}, seed {f['seed']}): {f['message']}  \n  re-run: `{f['rerun']}`")
     return "\n".join(lines) + "\n"
+
+
+def _coverage_lines(cov: dict[str, Any]) -> list[str]:
+    """What the passed cases exercised: capability values, shapes and path classes."""
+    if not cov:
+        return []
+    lines = ["", "Exercised by passed cases (what \"passed\" covers):", ""]
+    for key in (
+        "dtype_pairs",
+        "head_sizes",
+        "block_sizes",
+        "gqa_groups",
+        "kv_heads",
+        "batch_kinds",
+        "value_regimes",
+        "sliding_windows",
+        "soft_caps",
+        "gemm_shapes",
+        "quant_shapes",
+    ):
+        if cov.get(key):
+            values = cov[key]
+            text = _ranges(values) if key == "head_sizes" else ", ".join(map(str, values))
+            lines.append(f"- {key.replace('_', ' ')}: {text}")
+    if cov.get("path_classes"):
+        lines.append("- path classes (cases): " + ", ".join(f"{k} ({n})" for k, n in cov["path_classes"].items()))
+    missing = cov.get("declared_not_exercised") or {}
+    lines.append(
+        "- declared but not exercised: "
+        + ("; ".join(f"{k} {_ranges(v) if k == 'head_sizes' else v}" for k, v in missing.items()) or "none")
+    )
+    return lines
 
 
 def write_reports(state: SuiteState, config: pytest.Config) -> Path:
