@@ -278,7 +278,7 @@ def covered(cases: list[Any], caps: Capabilities | None) -> dict[str, Any]:
     out["quant_shapes"] = sorted({f"{c.fmt}:{c.m}x{c.k}x{c.n}" for c in cases if isinstance(c, QuantCase) and c.m})
     out["path_classes"] = dict(sorted(paths.items()))
     if caps is not None:
-        declared = {
+        declared: dict[str, set[Any]] = {
             "dtypes": set(_dtypes(caps)),
             "kv_cache_dtypes": set(_kv_dtypes(caps)),
             "head_sizes": set(caps.head_sizes),
