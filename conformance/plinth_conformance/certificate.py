@@ -48,6 +48,18 @@ def load_average() -> list[float] | None:
         return None
 
 
+def isa_flags() -> list[str]:
+    """The SIMD extensions /proc/cpuinfo names (AVX2/FMA, AVX-512, AMX): kernels dispatch on them, so
+    a certificate from an AVX2-only host says nothing about the AVX-512 or AMX paths."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: unknown, said as such
+        return []
+    return [w for w in wanted if w in flags]
+
+
 def host_fingerprint() -> dict[str, Any]:
     """CPU, core count, load, OS, Python and torch versions of the machine the suite ran on."""
     import torch
@@ -55,6 +67,7 @@ def host_fingerprint() -> dict[str, Any]:
     return {
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "isa": isa_flags(),
         "load_average": load_average(),
         "torch_threads": torch.get_num_threads(),
         "os": platform.platform(),
@@ -225,7 +238,9 @@ def summary_markdown(cert: dict[str, Any]) -> str:
         f"- device: {dev['name']} — verified on **{dev['verified_on']}**"
         + (f" ({', '.join(dev['interpreter_env'])})" if dev["interpreter_env"] else ""),
         f"- host: {host['cpu_model']}, {host['cpu_count']} cores, {host['os']}, torch {host['torch']}"
-        + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else ""),
+        + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else "")
+        + (f", ISA {' '.join(host['isa'])}" if host.get("isa") else "")
+        + (f" ({host['note']})" if host.get("note") else ""),
         "",
         "| tier | status | passed | failed | skipped | seconds |",
         "|---|---|---|---|---|---|",

@@ -273,7 +273,7 @@ def covered(cases: list[Any], caps: Capabilities | None) -> dict[str, Any]:
     for c in cases:
         for tag in path_tags(c):
             paths[tag] += 1
-    out: dict[str, Any] = {k: sorted(v, key=str) for k, v in sorted(values.items())}
+    out: dict[str, Any] = {k: sorted(v) for k, v in sorted(values.items())}  # each set holds one type
     out["gemm_shapes"] = sorted({f"{c.m}x{c.k}x{c.n}" for c in cases if isinstance(c, GemmCase)})
     out["quant_shapes"] = sorted({f"{c.fmt}:{c.m}x{c.k}x{c.n}" for c in cases if isinstance(c, QuantCase) and c.m})
     out["path_classes"] = dict(sorted(paths.items()))
