@@ -30,6 +30,8 @@ MAX_TESTED_BLOCK_SIZE = 256
 KNOWN_DTYPES: tuple[str, ...] = ("float32", "float64", "bfloat16", "float16")
 #: Batch shapes of one attention call (see :func:`plinth_conformance.paged.batch_lengths`).
 KINDS: tuple[str, ...] = ("prefill", "decode", "mixed", "chunked", "shared")
+#: Batch shapes past the sizes where kernels switch paths (extended tier).
+LONG_KINDS: tuple[str, ...] = ("long-decode", "long-prefill", "big-batch")
 
 _SHORT = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16"}
 
@@ -54,13 +56,16 @@ class AttentionCase:
     tier: str
     sliding_window: int | None = None
     soft_cap: float | None = None
+    regime: str = "normal"  # value regime, see plinth_conformance.paged.REGIMES
 
     @property
     def id(self) -> str:
         """The pytest id, e.g. ``attn-f32-h128-bs16-g4x2-mixed``."""
         kv = "" if self.kv_dtype == self.dtype else f"-kv{_SHORT[self.kv_dtype]}"
-        extra = (f"-sw{self.sliding_window}" if self.sliding_window else "") + (
-            f"-cap{self.soft_cap:g}" if self.soft_cap else ""
+        extra = (
+            (f"-sw{self.sliding_window}" if self.sliding_window else "")
+            + (f"-cap{self.soft_cap:g}" if self.soft_cap else "")
+            + ("" if self.regime == "normal" else f"-v{self.regime}")
         )
         return (
             f"attn-{_SHORT[self.dtype]}{kv}-h{self.head_size}-bs{self.block_size}"
@@ -71,6 +76,13 @@ class AttentionCase:
     def seed(self) -> int:
         """See :func:`case_seed`."""
         return case_seed(self.id)
+
+    @property
+    def twice(self) -> bool:
+        """Run ``forward`` twice and require bit-identical outputs: the long and big-batch paths
+        (where split-K and threaded reductions live) and a few core cases."""
+        core = self.tier == "core" and (self.kind == "decode" or (self.kind == "mixed" and self.group == 4))
+        return self.kind in LONG_KINDS or core
 
     @property
     def spec(self) -> AttentionSpec:
@@ -97,14 +109,18 @@ class KVWriteCase:
     block_size: int
     num_kv_heads: int
     tier: str
-    strided: bool = False  # key/value are views into a fused qkv projection
+    # "contiguous"; "strided": key and value are views into a fused qkv projection; "k-strided" /
+    # "v-strided": only that one is (real models pass a contiguous key with a strided value)
+    layout: str = "contiguous"
 
     @property
     def id(self) -> str:
         """The pytest id, e.g. ``kvwrite-f32-h64-bs16``."""
         kv = "" if self.kv_dtype == self.dtype else f"-kv{_SHORT[self.kv_dtype]}"
-        return f"kvwrite-{_SHORT[self.dtype]}{kv}-h{self.head_size}-bs{self.block_size}-kvh{self.num_kv_heads}" + (
-            "-strided" if self.strided else ""
+        suffix = {"contiguous": "", "strided": "-strided", "k-strided": "-kstrided", "v-strided": "-vstrided"}
+        return (
+            f"kvwrite-{_SHORT[self.dtype]}{kv}-h{self.head_size}-bs{self.block_size}-kvh{self.num_kv_heads}"
+            + suffix[self.layout]
         )
 
     @property
@@ -129,7 +145,8 @@ class GemmCase:
     k: int
     n: int
     bias: bool
-    layout: str  # "contiguous", "x-transposed", "x-strided" (guarded view), "w-transposed"
+    # "contiguous", "x-transposed", "x-strided" (guarded view), "w-transposed", or two joined by "+"
+    layout: str
     tier: str
 
     @property
@@ -145,6 +162,11 @@ class GemmCase:
     def seed(self) -> int:
         """See :func:`case_seed`."""
         return case_seed(self.id)
+
+    @property
+    def twice(self) -> bool:
+        """Run ``linear`` twice (bit-identical): the core tier's unaligned case and every M >= 256."""
+        return self.m >= 256 or (self.tier == "core" and self.k == 255 and self.layout == "contiguous")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +203,11 @@ class QuantCase:
         """See :func:`case_seed`."""
         return case_seed(self.id)
 
+    @property
+    def twice(self) -> bool:
+        """Run ``linear`` twice (bit-identical): the core decode case and every M >= 17."""
+        return self.m >= 17 or self.tier == "core"
+
 
 @dataclass(frozen=True, slots=True)
 class OpsCase:
@@ -190,11 +217,18 @@ class OpsCase:
     dtype: str
     tier: str
     rotary_dim: int = 64
+    layout: str = "contiguous"  # "strided": the input is a view into a fused qkv / wider buffer
+    magnitude: float = 1.0  # inputs scaled by this (RMSNorm far from rms 1: where eps shows)
 
     @property
     def id(self) -> str:
         """The pytest id, e.g. ``ops-rotary-f32-rd32``."""
-        return f"ops-{self.op}-{_SHORT[self.dtype]}" + (f"-rd{self.rotary_dim}" if self.op == "rotary" else "")
+        return (
+            f"ops-{self.op}-{_SHORT[self.dtype]}"
+            + (f"-rd{self.rotary_dim}" if self.op == "rotary" else "")
+            + ("" if self.layout == "contiguous" else f"-{self.layout}")
+            + ("" if self.magnitude == 1.0 else f"-x{self.magnitude:g}")
+        )
 
     @property
     def seed(self) -> int:
@@ -280,12 +314,12 @@ def kv_write_cases(caps: Capabilities, default_dtype: str = MANDATORY_DTYPE) -> 
     """Core: the mandatory profile (plain and strided inputs); extended: declared dtypes, blocks, heads."""
     f32, bs16 = MANDATORY_DTYPE, MANDATORY_BLOCK_SIZE
     cases = [KVWriteCase(f32, f32, h, bs16, 2, "core") for h in MANDATORY_HEAD_SIZES]
-    cases.append(KVWriteCase(f32, f32, 128, bs16, 2, "core", strided=True))
+    cases.append(KVWriteCase(f32, f32, 128, bs16, 2, "core", layout="strided"))
     home = _home_block(caps)
     for dtype in _dtypes(caps):
         for kv_dtype in _dtypes(caps):
             if kv_dtype in caps.kv_cache_dtypes and (kv_dtype == dtype or dtype == f32):
-                cases.append(KVWriteCase(dtype, kv_dtype, 64, home, 2, "extended", strided=True))
+                cases.append(KVWriteCase(dtype, kv_dtype, 64, home, 2, "extended", layout="strided"))
     cases += [KVWriteCase(f32, f32, 64, b, 3, "extended") for b in _block_sizes(caps)]
     cases += [KVWriteCase(f32, f32, h, home, 1, "extended") for h in MODEL_HEAD_SIZES if h in caps.head_sizes]
     return _dedupe(cases, caps)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plinth_conformance import SUITE_VERSION, TIERS
+from plinth_conformance.coverage import covered
 from plinth_conformance.tolerance import POLICY
 
 if TYPE_CHECKING:
@@ -47,6 +48,18 @@ def load_average() -> list[float] | None:
         return None
 
 
+def isa_flags() -> list[str]:
+    """The SIMD extensions /proc/cpuinfo names (AVX2/FMA, AVX-512, AMX): kernels dispatch on them, so
+    a certificate from an AVX2-only host says nothing about the AVX-512 or AMX paths."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: unknown, said as such
+        return []
+    return [w for w in wanted if w in flags]
+
+
 def host_fingerprint() -> dict[str, Any]:
     """CPU, core count, load, OS, Python and torch versions of the machine the suite ran on."""
     import torch
@@ -54,6 +67,7 @@ def host_fingerprint() -> dict[str, Any]:
     return {
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "isa": isa_flags(),
         "load_average": load_average(),
         "torch_threads": torch.get_num_threads(),
         "os": platform.platform(),
@@ -207,6 +221,7 @@ def build_certificate(state: SuiteState, keyword: str | None = None) -> dict[str
         "tolerances": _tolerance_summary(state),
         "quantized": _quantized_summary(state),
         "perf": {"roofline": state.roofline, "kernels": state.perf},
+        "coverage": covered(state.covered, backend.capabilities() if backend is not None else None),
         "failures": state.failures,
     }
 
@@ -223,7 +238,9 @@ def summary_markdown(cert: dict[str, Any]) -> str:
         f"- device: {dev['name']} — verified on **{dev['verified_on']}**"
         + (f" ({', '.join(dev['interpreter_env'])})" if dev["interpreter_env"] else ""),
         f"- host: {host['cpu_model']}, {host['cpu_count']} cores, {host['os']}, torch {host['torch']}"
-        + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else ""),
+        + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else "")
+        + (f", ISA {' '.join(host['isa'])}" if host.get("isa") else "")
+        + (f" ({host['note']})" if host.get("note") else ""),
         "",
         "| tier | status | passed | failed | skipped | seconds |",
         "|---|---|---|---|---|---|",
@@ -278,11 +295,44 @@ def summary_markdown(cert: dict[str, Any]) -> str:
                 f"| {k['name']} | {k['shape']} | {k['ms']:.3f} | {k['achieved']:.1f} {k['unit']} | "
                 f"{k['percent']:.1f}% of {k['bound']} |"
             )
+    lines += _coverage_lines(cert.get("coverage") or {})
     if cert["failures"]:
         lines += ["", "## Failures", ""]
         for f in cert["failures"]:
             lines.append(f"- `{f['case']}` ({f['tier']}, seed {f['seed']}): {f['message']}  \n  re-run: `{f['rerun']}`")
     return "\n".join(lines) + "\n"
+
+
+def _coverage_lines(cov: dict[str, Any]) -> list[str]:
+    """What the passed cases exercised: capability values, shapes and path classes."""
+    if not cov:
+        return []
+    lines = ["", "Exercised by passed cases (what \"passed\" covers):", ""]
+    for key in (
+        "dtype_pairs",
+        "head_sizes",
+        "block_sizes",
+        "gqa_groups",
+        "kv_heads",
+        "batch_kinds",
+        "value_regimes",
+        "sliding_windows",
+        "soft_caps",
+        "gemm_shapes",
+        "quant_shapes",
+    ):
+        if cov.get(key):
+            values = cov[key]
+            text = _ranges(values) if key == "head_sizes" else ", ".join(map(str, values))
+            lines.append(f"- {key.replace('_', ' ')}: {text}")
+    if cov.get("path_classes"):
+        lines.append("- path classes (cases): " + ", ".join(f"{k} ({n})" for k, n in cov["path_classes"].items()))
+    missing = cov.get("declared_not_exercised") or {}
+    lines.append(
+        "- declared but not exercised: "
+        + ("; ".join(f"{k} {_ranges(v) if k == 'head_sizes' else v}" for k, v in missing.items()) or "none")
+    )
+    return lines
 
 
 def write_reports(state: SuiteState, config: pytest.Config) -> Path:

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from plinth.platform.backend import AttentionKernels, AttentionSpec, Backend, GemmKernels, NotSupported
+from plinth_conformance.tolerance import bits
 
 
 @contextmanager
@@ -51,3 +53,26 @@ def declared_gemm(backend: Backend, dtype: str, case_id: str) -> GemmKernels:
     with kernel_call(case_id, f"gemm_kernels({dtype!r})"):
         return backend.gemm_kernels(dtype)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: A feature a backend declares when two calls with the same inputs may differ (atomics, a
+#: thread-count-dependent split): the repeat check is then not gated, and the certificate shows it.
+NONDETERMINISTIC = "nondeterministic"
+
+
+def check_repeat(backend: Backend, case_id: str, first: torch.Tensor, second: torch.Tensor) -> None:
+    """A second call with the same inputs must give the same bits (unless the backend declares
+    :data:`NONDETERMINISTIC`): differences far below any tolerance still make runs irreproducible."""
+    if NONDETERMINISTIC in backend.capabilities().features:
+        return
+    a, b = first.detach().cpu(), second.detach().cpu()
+    if a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b)):
+        return
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise AssertionError(f"[{case_id}] not deterministic: a second call gave {tuple(b.shape)} {b.dtype}")
+    n = int((bits(a) != bits(b)).sum())
+    diff = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+    raise AssertionError(
+        f"[{case_id}] not deterministic: a second call with the same inputs differs in {n} of {a.numel()} "
+        f"elements (relative difference {diff:.2e}); declare the feature {NONDETERMINISTIC!r} if by design"
+    )

@@ -17,11 +17,47 @@ paging: it checks the reference backend's paging as much as the backend's.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
 from plinth.platform.backend import AttentionMetadata, AttentionSpec, KVCacheLayout, torch_dtype
+
+#: kv lengths of the ``long-decode`` kind: 16 sequences from one to three thousand keys, on both
+#: sides of the powers of two where kernels switch to split-K / multi-partition paths.
+LONG_DECODE_LENGTHS: tuple[int, ...] = (
+    257,
+    300,
+    511,
+    512,
+    513,
+    777,
+    1000,
+    1023,
+    1025,
+    1500,
+    2047,
+    2049,
+    129,
+    65,
+    3001,
+    1,
+)
+
+#: Value regimes of a batch: (query scale, key scale, value scale, softmax scale in units of
+#: 1/sqrt(D)). ``large`` puts scores past 88 (exp overflows fp32 without the running maximum),
+#: ``small`` makes every operand tiny (absolute epsilons show), ``scale`` passes a softmax scale
+#: that is not 1/sqrt(D) (a kernel that recomputes it fails), ``adversarial`` drives soft-capped
+#: logits far into tanh's saturation (|score / cap| ~ 50: a tanh built from exp(2x) overflows).
+REGIMES: dict[str, tuple[float, float, float, float]] = {
+    "normal": (1.0, 1.0, 1.0, 1.0),
+    "large": (30.0, 1.0, 1.0, 1.0),
+    "small": (1e-2, 1e-2, 1e-3, 1.0),
+    "scale": (1.0, 1.0, 1.0, 2.9),
+    "adversarial": (80.0, 1.0, 1.0, 1.0),
+}
 
 #: The order of the reference layout; any declared layout is a permutation of these names.
 CANONICAL_DIMS: tuple[str, ...] = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
@@ -54,6 +90,12 @@ def batch_lengths(kind: str, block_size: int) -> list[tuple[int, int]]:
         "mixed": [(b, 1), (0, b + 1), (b + 2, b - 1), (long - 1, 1), (0, 1), (b - 2, 1)],
         "chunked": [(1, b - 1), (b, b), (b - 1, 2), (long - b - 3, b + 3)],
         "shared": [(long - 1, 1), (long - b - 1, b + 1), (b - 1, 1), (0, b)],
+        # path switches: long contexts, long prompts, a batch of 64 sequences, the sweep's small batch
+        "long-decode": [(s - 1, 1) for s in LONG_DECODE_LENGTHS],
+        "long-prefill": [(0, 333), (1200, 45), (700, 1), (2 * b + 1, 257)],
+        "big-batch": [((7 * i) % (4 * b), 1) for i in range(48)]
+        + [((11 * i) % (3 * b), 2 + i % (b + 2)) for i in range(16)],
+        "sweep": [(0, 3), (b + 1, 1), (b - 2, 3)],
     }[kind]
     return [(c, n) for c, n in table if c >= 0 and n >= 1]
 
@@ -86,8 +128,29 @@ def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, sca
     return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(dtype)
 
 
-def build_batch(spec: AttentionSpec, kind: str, gen: torch.Generator) -> PagedBatch:
-    """A random batch of ``kind`` for ``spec`` (see :func:`batch_lengths`)."""
+def attention_metadata(
+    q_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, slots: list[int]
+) -> AttentionMetadata:
+    """The one place new suite code builds :class:`AttentionMetadata` (from host lists)."""
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=list(q_lens),
+        seq_lens_host=list(seq_lens),
+    )
+
+
+def build_batch(spec: AttentionSpec, kind: str, gen: torch.Generator, regime: str = "normal") -> PagedBatch:
+    """A random batch of ``kind`` for ``spec`` (see :func:`batch_lengths`) in a value ``regime``
+    (see :data:`REGIMES`)."""
+    q_mag, k_mag, v_mag, scale_mult = REGIMES[regime]
     block = spec.block_size
     lengths = batch_lengths(kind, block)
     seq_lens = [c + n for c, n in lengths]
@@ -105,25 +168,21 @@ def build_batch(spec: AttentionSpec, kind: str, gen: torch.Generator) -> PagedBa
         pages.append(first + [next(take) for _ in range(n - len(first))])
     kv_dtype = torch_dtype(spec.kv_cache_dtype)
     hkv, d = spec.num_kv_heads, spec.head_size
-    keys = [_randn((s, hkv, d), kv_dtype, gen) for s in seq_lens]
-    values = [_randn((s, hkv, d), kv_dtype, gen) for s in seq_lens]
+    keys = [_randn((s, hkv, d), kv_dtype, gen, k_mag) for s in seq_lens]
+    values = [_randn((s, hkv, d), kv_dtype, gen, v_mag) for s in seq_lens]
     if shared:
         keys[1][: shared * block] = keys[0][: shared * block]
         values[1][: shared * block] = values[0][: shared * block]
     width = max(n_pages) + 2
-    table = torch.tensor(
-        [
-            p + [spare[int(torch.randint(len(spare), (1,), generator=gen))] for _ in range(width - len(p))]
-            for p in pages
-        ],
-        dtype=torch.int32,
-    )
+    # padded entries: random spare (NaN) pages, drawn in one call (long batches pad thousands)
+    pads = torch.tensor(spare)[torch.randint(len(spare), (len(pages), width), generator=gen)].tolist()
+    table = torch.tensor([p + pad[: width - len(p)] for p, pad in zip(pages, pads, strict=True)], dtype=torch.int32)
     news = [n for _, n in lengths]
     meta = AttentionMetadata.from_lengths(news, seq_lens, table, block_size=block)
     num_tokens = sum(news)
     dtype = torch_dtype(spec.dtype)
     # Large queries make the softmax peaky (and the soft-cap bite); a real model's are like that.
-    q_scale = 2.0 if spec.logits_soft_cap is not None else 1.0
+    q_scale = (2.0 if spec.logits_soft_cap is not None and regime == "normal" else 1.0) * q_mag
     guard = torch.full((num_tokens + 2, spec.num_heads, d), float("nan"), dtype=dtype)
     guard[1 : num_tokens + 1] = _randn((num_tokens, spec.num_heads, d), dtype, gen, q_scale)
     return PagedBatch(
@@ -135,7 +194,7 @@ def build_batch(spec: AttentionSpec, kind: str, gen: torch.Generator) -> PagedBa
         pages=pages,
         meta=meta,
         num_blocks=num_blocks,
-        scale=1.0 / math.sqrt(d),
+        scale=scale_mult / math.sqrt(d),
     )
 
 
@@ -172,6 +231,22 @@ def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     )
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the oracle's many small ops on one thread, then restore the count.
+
+    Why: on a loaded 2-core host, intra-op threading makes a 5x60 fp64 score product 40x slower
+    (13 ms against 0.35 ms, threads waiting on each other); the golden and naive computations are
+    thousands of such ops. The backend under test keeps its own thread count.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def golden_attention(batch: PagedBatch) -> torch.Tensor:
     """fp64 causal attention of each sequence's queries over its logical K/V -> [T, H, D] fp64."""
     spec, meta = batch.spec, batch.meta
@@ -180,16 +255,18 @@ def golden_attention(batch: PagedBatch) -> torch.Tensor:
     starts = meta.query_start_loc.tolist()
     for i, seq_len in enumerate(meta.seq_lens_host):
         q = batch.query[starts[i] : starts[i + 1]].double()  # [Q, H, D]
-        k = batch.keys[i].double().repeat_interleave(group, dim=1)  # [S, H, D]
-        v = batch.values[i].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale  # [H, Q, S]
+        q = q.view(q.shape[0], spec.num_kv_heads, group, -1).permute(1, 2, 0, 3)  # [Hkv, g, Q, D]
+        k = batch.keys[i].double().transpose(0, 1)  # [Hkv, S, D]: no K repeated per query head
+        v = batch.values[i].double().transpose(0, 1)
+        scores = torch.matmul(q, k[:, None].transpose(-1, -2)).flatten(0, 1) * batch.scale  # [H, Q, S]
         if spec.logits_soft_cap is not None:
             scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
-        q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
+        q_pos = torch.arange(seq_len - q.shape[2], seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         allowed = k_pos <= q_pos
         if spec.sliding_window is not None:
             allowed &= q_pos - k_pos < spec.sliding_window
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
+        pv = torch.matmul(probs.view(spec.num_kv_heads, group, *probs.shape[1:]), v[:, None])  # [Hkv, g, Q, D]
+        out[starts[i] : starts[i + 1]] = pv.flatten(0, 1).transpose(0, 1)
     return out

@@ -51,6 +51,7 @@ class SuiteState:
     perf: list[dict[str, Any]] = field(default_factory=list)
     quantized: list[dict[str, Any]] = field(default_factory=list)  # prepared-weight sizes per case
     roofline: dict[str, float] = field(default_factory=dict)
+    covered: list[Any] = field(default_factory=list)  # the case objects of passed tests (certificate)
     exitstatus: int = 0
 
     @property
@@ -109,14 +110,16 @@ def state_of(config: pytest.Config) -> SuiteState:
 
 
 def _generators() -> dict[str, Callable[..., list[Any]]]:
-    from plinth_conformance import cases
+    from plinth_conformance import cases, coverage
 
     return {
-        "attention_case": cases.attention_cases,
-        "kv_write_case": cases.kv_write_cases,
-        "gemm_case": cases.gemm_cases,
-        "quant_case": cases.quant_cases,
-        "ops_case": cases.ops_cases,
+        "attention_case": coverage.all_attention_cases,
+        "head_sweep_case": coverage.head_sweep_cases,
+        "kv_write_case": coverage.all_kv_write_cases,
+        "copy_blocks_case": coverage.copy_blocks_cases,
+        "gemm_case": coverage.all_gemm_cases,
+        "quant_case": coverage.all_quant_cases,
+        "ops_case": coverage.all_ops_cases,
         "undeclared_case": cases.undeclared_cases,
         "engine_case": cases.engine_cases,
         "perf_case": cases.perf_cases,
@@ -192,6 +195,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """Attach the case id, its seed and the re-run commands to every failure."""
     report = yield
     state = state_of(item.config)
+    if state.active and report.when == "call" and report.passed and (case := _case(item)) is not None:
+        state.covered.append(case)
     if state.active and report.failed:
         case = _case(item)
         case_id = getattr(case, "id", None)

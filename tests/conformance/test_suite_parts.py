@@ -162,3 +162,33 @@ def test_matrix_marks_emulation_and_failures() -> None:
     cert["tiers"]["extended"]["status"] = "failed"
     page = render_matrix([cert])
     assert "**emulation**" in page and "pass / **FAIL** /" in page
+
+
+def test_every_declared_value_and_path_class_is_generated() -> None:
+    """Issue 17's rule: each declared value at least once (a KV dtype that is no compute dtype, every
+    head size of a wide declaration), GQA groups above 8, odd KV-head counts, the long paths."""
+    from plinth_conformance import coverage
+
+    caps = Capabilities(
+        frozenset({"float32"}),
+        frozenset({"float32", "bfloat16"}),
+        frozenset(range(16, 513, 8)),
+        (8, 16, 64),
+        features=frozenset({"sliding_window", "logits_soft_cap"}),
+    )
+    generated = (
+        coverage.all_attention_cases(caps, "float32")
+        + coverage.head_sweep_cases(caps, "float32")
+        + coverage.all_gemm_cases(caps, "float32")
+        + coverage.copy_blocks_cases(caps)
+    )
+    cov = coverage.covered(generated, caps)
+    assert cov["declared_not_exercised"] == {}, cov["declared_not_exercised"]
+    assert "float32/bfloat16" in cov["dtype_pairs"] and {9, 12, 16} <= set(cov["gqa_groups"])
+    assert {3, 5} <= set(cov["kv_heads"]) and {16, 32, 19, 1} <= set(cov["sliding_windows"])
+    paths = cov["path_classes"]
+    for tag in ("attention-long-decode", "attention-big-batch", "copy-blocks", "window-block-aligned", "determinism"):
+        assert paths.get(tag, 0) >= 1, (tag, paths)
+    assert any(s.startswith("1000x") for s in cov["gemm_shapes"])
+    bare = coverage.covered([], caps)  # nothing passed: everything declared is listed as not exercised
+    assert bare["declared_not_exercised"]["head_sizes"] == sorted(caps.head_sizes)

@@ -15,7 +15,7 @@ import torch
 from plinth.platform.backend import Backend, torch_dtype
 from plinth.platform.reference import ReferenceGemm
 from plinth_conformance.cases import GemmCase
-from plinth_conformance.checks import declared_gemm, kernel_call
+from plinth_conformance.checks import check_repeat, declared_gemm, kernel_call
 from plinth_conformance.tolerance import bits, compare
 
 
@@ -26,17 +26,18 @@ def _operands(case: GemmCase, device: torch.device, gen: torch.Generator):  # no
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if case.bias else None
-    if case.layout == "x-transposed":
+    layouts = set(case.layout.split("+"))  # each operand's layout varies on its own
+    if "x-transposed" in layouts:
         x_buf = x.t().contiguous().to(device)  # [K, M]
         x_in = x_buf.t()
-    elif case.layout == "x-strided":
+    elif "x-strided" in layouts:
         x_buf = torch.full((m + 2, k + 8), float("nan"), dtype=dtype, device=device)  # NaN guards around x
         x_buf[1 : m + 1, 3 : k + 3] = x.to(device)
         x_in = x_buf[1 : m + 1, 3 : k + 3]
     else:
         x_buf = x.to(device)
         x_in = x_buf
-    w_in = w.t().contiguous().t() if case.layout == "w-transposed" else w  # [N, K], column-major
+    w_in = w.t().contiguous().t() if "w-transposed" in layouts else w  # [N, K], column-major
     return (x, w, b), (x_in, w_in, x_buf)
 
 
@@ -53,6 +54,12 @@ def test_gemm(plinth_backend: Backend, gemm_case: GemmCase, record_tolerance: Ca
     with kernel_call(case.id, "linear()"):
         out = gemm.linear(x_in, weight)
         plinth_backend.device_services().synchronize()
+    if case.twice:
+        out = out.clone()  # a kernel may hand back a reused buffer
+        with kernel_call(case.id, "linear() (again)"):
+            again = gemm.linear(x_in, weight)
+            plinth_backend.device_services().synchronize()
+        check_repeat(plinth_backend, case.id, out, again)
     assert torch.equal(bits(x_buf), x_bits), f"[{case.id}] linear() modified its input (or the guards around it)"
     assert torch.equal(bits(w_in), w_bits), f"[{case.id}] prepare() modified the weight it was given"
     assert out.dtype == x.dtype, f"[{case.id}] output dtype {out.dtype}, expected {x.dtype}"

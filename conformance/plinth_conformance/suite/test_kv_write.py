@@ -22,18 +22,25 @@ PADDING_VALUE = 12345.0
 
 
 def _inputs(case: KVWriteCase, spec: AttentionSpec, num_tokens: int, gen: torch.Generator):  # noqa: ANN202
-    """key, value [T, Hkv, D] (views into a fused qkv projection when ``case.strided``)."""
+    """key, value [T, Hkv, D]: views into a fused qkv projection where ``case.layout`` says so
+    (both, or only one of them: each operand's layout varies on its own)."""
     dtype = torch_dtype(case.dtype)
     hkv, d, heads = spec.num_kv_heads, spec.head_size, spec.num_heads
-    if case.strided:
+    if case.layout == "strided":
         qkv = torch.randn(num_tokens, (heads + 2 * hkv) * d, generator=gen).to(dtype)  # [T, (H+2Hkv)*D]
         key = qkv[:, heads * d : (heads + hkv) * d].view(num_tokens, hkv, d)
         value = qkv[:, (heads + hkv) * d :].view(num_tokens, hkv, d)
         return key, value
-    return (
-        torch.randn(num_tokens, hkv, d, generator=gen).to(dtype),
-        torch.randn(num_tokens, hkv, d, generator=gen).to(dtype),
-    )
+    key = torch.randn(num_tokens, hkv, d, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, hkv, d, generator=gen).to(dtype)
+    if case.layout in ("k-strided", "v-strided"):
+        # the strided one lives in a wider buffer ([T, Hkv + 1, D + 8]: row and head strides differ)
+        wide = torch.full((num_tokens, hkv + 1, d + 8), float("nan"), dtype=dtype)
+        which = key if case.layout == "k-strided" else value
+        wide[:, 1:, 4 : d + 4] = which
+        view = wide[:, 1:, 4 : d + 4]
+        return (view, value) if case.layout == "k-strided" else (key, view)
+    return key, value
 
 
 def test_kv_write(plinth_backend: Backend, kv_write_case: KVWriteCase) -> None:

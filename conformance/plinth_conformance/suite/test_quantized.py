@@ -19,7 +19,7 @@ from plinth.platform.backend import Backend, torch_dtype
 from plinth.platform.quant import dequantize
 from plinth.platform.reference import ReferenceGemm
 from plinth_conformance.cases import QuantCase
-from plinth_conformance.checks import declared_gemm, kernel_call
+from plinth_conformance.checks import check_repeat, declared_gemm, kernel_call
 from plinth_conformance.quantized import (
     activation_rounding_allowance,
     blocks_bytes,
@@ -62,6 +62,12 @@ def test_quantized_gemm(
     with kernel_call(case.id, "linear()"):
         out = gemm.linear(x_in, prepared)
         plinth_backend.device_services().synchronize()
+    if case.twice:
+        out = out.clone()  # a kernel may hand back a reused buffer
+        with kernel_call(case.id, "linear() (again)"):
+            again = gemm.linear(x_in, prepared)
+            plinth_backend.device_services().synchronize()
+        check_repeat(plinth_backend, case.id, out, again)
     assert torch.equal(weight.blocks, blocks_before), f"[{case.id}] prepare_quantized()/linear() modified the blocks"
     if b is not None and b_before is not None:
         assert torch.equal(bits(b), bits(b_before)), f"[{case.id}] prepare_quantized() modified the bias"

@@ -15,7 +15,7 @@ import torch
 
 from plinth.platform.backend import Backend, SmallOps, torch_dtype
 from plinth_conformance.cases import OpsCase
-from plinth_conformance.checks import kernel_call
+from plinth_conformance.checks import check_repeat, kernel_call
 from plinth_conformance.tolerance import bits, compare
 
 TOKENS, HIDDEN, INTERMEDIATE, HEADS, HEAD_SIZE, MAX_POS = 33, 576, 1536, 9, 64, 512
@@ -28,11 +28,22 @@ def _cos_sin(rotary_dim: int) -> torch.Tensor:
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
 
 
+def _laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` [T, ..., W] itself, or (``strided``) the same values as a view into a wider buffer
+    (a row stride past the width and a storage offset, as a slice of a fused projection has)."""
+    if layout != "strided":
+        return x
+    flat = x.reshape(x.shape[0], -1)
+    wide = torch.full((x.shape[0], flat.shape[1] + 96), float("nan"), dtype=x.dtype)
+    wide[:, 32 : 32 + flat.shape[1]] = flat
+    return wide[:, 32 : 32 + flat.shape[1]].view(x.shape)
+
+
 def _run(case: OpsCase, gen: torch.Generator) -> tuple[Callable[[SmallOps, bool], torch.Tensor], list[torch.Tensor]]:
     """A function computing the op with ``ops`` (in fp64 when asked), and its inputs."""
     dtype = torch_dtype(case.dtype)
     if case.op == "rms_norm":
-        x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dtype)
+        x = _laid_out((torch.randn(TOKENS, HIDDEN, generator=gen) * case.magnitude).to(dtype), case.layout)
         w = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
 
         def rms(o: SmallOps, fp64: bool) -> torch.Tensor:
@@ -40,13 +51,13 @@ def _run(case: OpsCase, gen: torch.Generator) -> tuple[Callable[[SmallOps, bool]
 
         return rms, [x, w]
     if case.op == "silu_and_mul":
-        x = torch.randn(TOKENS, 2 * INTERMEDIATE, generator=gen).mul(2).to(dtype)
+        x = _laid_out(torch.randn(TOKENS, 2 * INTERMEDIATE, generator=gen).mul(2).to(dtype), case.layout)
 
         def silu(o: SmallOps, fp64: bool) -> torch.Tensor:
             return o.silu_and_mul(x.double() if fp64 else x)
 
         return silu, [x]
-    x = torch.randn(TOKENS, HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    x = _laid_out(torch.randn(TOKENS, HEADS, HEAD_SIZE, generator=gen).to(dtype), case.layout)
     positions = torch.randint(0, MAX_POS, (TOKENS,), generator=gen)
     table = _cos_sin(case.rotary_dim)
 
@@ -59,12 +70,13 @@ def _run(case: OpsCase, gen: torch.Generator) -> tuple[Callable[[SmallOps, bool]
 
 
 def _check_add_rms_norm(
-    case: OpsCase, ops: SmallOps, gen: torch.Generator, record_tolerance: Callable[..., None]
+    backend: Backend, case: OpsCase, ops: SmallOps, gen: torch.Generator, record_tolerance: Callable[..., None]
 ) -> None:
     """``(rms_norm(x + residual), x + residual)``; x and weight untouched, residual old or the sum."""
     dtype = torch_dtype(case.dtype)
-    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dtype)
-    residual = (4 * torch.randn(TOKENS, HIDDEN, generator=gen)).to(dtype)  # the stream dominates, as in a model
+    x = (torch.randn(TOKENS, HIDDEN, generator=gen) * case.magnitude).to(dtype)
+    # the stream dominates, as in a model
+    residual = (4 * case.magnitude * torch.randn(TOKENS, HIDDEN, generator=gen)).to(dtype)
     w = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
     res_in = residual.clone()  # the call may overwrite it
     x_bits, w_bits, res_bits = bits(x).clone(), bits(w).clone(), bits(res_in).clone()
@@ -72,6 +84,9 @@ def _check_add_rms_norm(
         result = ops.add_rms_norm(x, res_in, w, 1e-5)
     assert isinstance(result, tuple) and len(result) == 2, f"[{case.id}] add_rms_norm() must return (normed, sum)"
     normed, total = result
+    again = ops.add_rms_norm(x, residual.clone(), w, 1e-5)  # the same inputs: the same bits
+    for first, second in zip((normed, total), again, strict=True):
+        check_repeat(backend, case.id, first, second)
     assert torch.equal(bits(x), x_bits) and torch.equal(bits(w), w_bits), (
         f"[{case.id}] add_rms_norm() modified x or the weight"
     )
@@ -95,12 +110,14 @@ def test_small_ops(plinth_backend: Backend, ops_case: OpsCase, record_tolerance:
     with kernel_call(case.id, "small_ops()"):
         ops = plinth_backend.small_ops()
     if case.op == "add_rms_norm":
-        _check_add_rms_norm(case, ops, gen, record_tolerance)
+        _check_add_rms_norm(plinth_backend, case, ops, gen, record_tolerance)
         return
     fn, inputs = _run(case, gen)
     before = [bits(t).clone() for t in inputs]
     with kernel_call(case.id, f"{case.op}()"):
-        out = fn(ops, False)
+        out = fn(ops, False).clone()  # a kernel may hand back a reused buffer
+        again = fn(ops, False)
+    check_repeat(plinth_backend, case.id, out, again)
     assert all(torch.equal(bits(t), b) for t, b in zip(inputs, before, strict=True)), (
         f"[{case.id}] {case.op}() modified its inputs"
     )
