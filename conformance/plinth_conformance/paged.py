@@ -132,18 +132,8 @@ def attention_metadata(
     q_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, slots: list[int]
 ) -> AttentionMetadata:
     """The one place new suite code builds :class:`AttentionMetadata` (from host lists)."""
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=list(q_lens),
-        seq_lens_host=list(seq_lens),
+    return AttentionMetadata.from_lengths(
+        list(q_lens), list(seq_lens), block_tables, slot_mapping=torch.tensor(slots, dtype=torch.int64)
     )
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from plinth.platform.backend import AttentionMetadata, AttentionSpec, Backend
+from plinth.platform.devices import HOST
 from plinth.platform.reference import ReferenceGemm
 from plinth_conformance.cases import PerfCase
 from plinth_conformance.checks import declared_attention, declared_gemm, kernel_call
@@ -58,6 +59,7 @@ def test_perf(
     if case.name in ("decode-attention", "prefill-attention", "kv-write"):
         kernels = declared_attention(plinth_backend, spec, case.id)
         q_lens, seq_lens = ([1] * SEQS, [KV_LEN] * SEQS) if case.name != "prefill-attention" else ([KV_LEN], [KV_LEN])
+        meta = _contiguous_meta(q_lens, seq_lens, HOST)  # the oracle's copy
         meta_dev = _contiguous_meta(q_lens, seq_lens, dev)
         cache = plinth_backend.allocate_kv_cache(spec, len(q_lens) * math.ceil(KV_LEN / BLOCK))
         cache.normal_()
