@@ -65,7 +65,9 @@ API    adds / changes
        calls every hook through pluggy, so implementations of older signatures keep working;
        ``KernelProvider.api_version`` (checked like a backend's: a kernel-only plugin was never
        version-checked);
-       the value objects import without torch from :mod:`plinth.platform.values`;
+       the value objects import without torch from :mod:`plinth.platform.values`; the
+       quantized-weight types live in :mod:`plinth.platform.quant` (``plinth.quant`` still
+       re-exports them);
        ``DeviceServices.compile`` removed (the core never called it: an override is now simply
        unused); ``DeviceServices.synchronize`` documented with its callers;
        ``AttentionMetadata.from_lengths`` (the one constructor of a varlen batch's metadata);

@@ -86,3 +86,11 @@ def test_removed_dead_surface_stays_removed() -> None:
     # DeviceServices.compile was never called by the core (removed in 1.4): a vendor must not be
     # invited to implement it again
     assert not hasattr(backend.DeviceServices, "compile")
+
+
+def test_a_plugin_of_an_older_minor_still_imports_the_quantized_types_from_plinth_quant() -> None:
+    # 1.1-1.3 plugins (the cpu one among them) imported plinth.quant; 1.4 moved it to plinth.platform
+    import plinth.platform.quant as new
+    import plinth.quant as old
+
+    assert old.QuantizedWeight is new.QuantizedWeight and old.dequantize is new.dequantize

@@ -3,7 +3,9 @@
 It refuses, before any route runs and before the body is parsed:
 
 - a body over ``--max-request-bytes`` (413 in the OpenAI error shape); a declared ``Content-Length``
-  is refused unread, a chunked body is counted as it arrives;
+  over it is refused before the body is parsed (what arrives is read and dropped, up to
+  ``_DISCARD_FACTOR`` times the limit, so the client reads the 413), a chunked body is counted as it
+  arrives;
 - any request but ``/health``, ``/version`` and ``/metrics`` while the server drains for shutdown
   (503 with ``Retry-After``), so a balancer sends it elsewhere.
 
