@@ -307,6 +307,11 @@ class LLMEngine:
                 # add_request refuses what can never fit, so an idle step with work queued is a bug
                 raise RuntimeError("the scheduler made no progress with requests queued")
             return []
+        started = time.monotonic()
+        for chunk in sched_out.scheduled:  # queue time ends at a request's first scheduled step
+            group = self._groups.get(chunk.seq_id.request_id)
+            if group is not None and group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = started
         results = self.runner.execute(sched_out)
         sampled = {seq_id: r.token_id for seq_id, r in results.items()}
         advanced = self.scheduler.update(sched_out, sampled)

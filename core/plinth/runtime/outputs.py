@@ -10,6 +10,7 @@ class RequestMetrics:
     """Timestamps (``time.monotonic()``) and counts of one request."""
 
     arrival_time: float
+    first_scheduled_time: float | None = None  # the first step that ran any of its tokens
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
@@ -22,6 +23,11 @@ class RequestMetrics:
     def time_to_first_token(self) -> float | None:
         """Seconds from arrival to the first generated token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first step that ran any of the request's tokens."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def decode_tokens_per_s(self) -> float | None:

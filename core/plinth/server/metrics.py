@@ -108,6 +108,27 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS,
             registry=reg,
         )
+        self.queue_time = Histogram(
+            "plinth:request_queue_time_seconds",
+            "Arrival to the first scheduled step.",
+            names,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        )
+        self.prefill_time = Histogram(
+            "plinth:request_prefill_time_seconds",
+            "First scheduled step to the first token.",
+            names,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        )
+        self.inference_time = Histogram(
+            "plinth:request_inference_time_seconds",
+            "First scheduled step to finish.",
+            names,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        )
         self.request_prompt_tokens = Histogram(
             "plinth:request_prompt_tokens", "Prompt tokens per request.", names, buckets=_TOKEN_BUCKETS, registry=reg
         )
@@ -177,6 +198,12 @@ class RequestTracker:
             m.e2e.labels(label).observe(end - metrics.arrival_time)
             if metrics.first_token_time is not None:
                 m.decode_time.labels(label).observe(end - metrics.first_token_time)
+            scheduled = metrics.first_scheduled_time
+            if scheduled is not None:
+                m.queue_time.labels(label).observe(scheduled - metrics.arrival_time)
+                m.inference_time.labels(label).observe(end - scheduled)
+                if metrics.first_token_time is not None:
+                    m.prefill_time.labels(label).observe(metrics.first_token_time - scheduled)
             m.request_prompt_tokens.labels(label).observe(metrics.num_prompt_tokens)
             m.request_generation_tokens.labels(label).observe(num_tokens)
 

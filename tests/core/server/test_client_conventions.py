@@ -109,12 +109,16 @@ def test_metrics_have_vllm_names(server: ServerProcess) -> None:
         "time_to_first_token_seconds_count",
         "e2e_request_latency_seconds_count",
         "request_decode_time_seconds_count",
+        "request_queue_time_seconds_count",
+        "request_prefill_time_seconds_count",
+        "request_inference_time_seconds_count",
         "request_prompt_tokens_count",
         "request_generation_tokens_count",
     ):
         assert f"vllm:{name}" in m and f"plinth:{name}" in m, name
         assert m[f"vllm:{name}"] == m[f"plinth:{name}"] or "running" in name or "waiting" in name, name
     assert m["vllm:request_generation_tokens_count"] >= 1
+    assert m["vllm:request_queue_time_seconds_count"] >= 1 and m["vllm:request_prefill_time_seconds_count"] >= 1
     assert m["http_requests_total"] >= 1
 
 
