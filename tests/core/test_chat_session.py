@@ -137,6 +137,14 @@ class _Terminal:
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    @staticmethod
+    def settle() -> None:
+        """Let the child reach its wait for input. CPython's readline loop sees a SIGINT only when it
+        interrupts that select(): one that lands while readline is busy (drawing the prompt, taking a
+        character) is noticed at the next key, so a Ctrl-C typed at once after output could hang here,
+        though a person never types that fast."""
+        time.sleep(0.3)
+
     def wait(self, timeout: float = 60.0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -161,9 +169,12 @@ def test_ctrl_c_stops_a_streaming_reply_and_returns_to_the_prompt(folder: Path) 
             assert len(partial) < 400  # stopped early (the tiny model writes a character or two a token)
             term.expect(r"you> ")  # back at the prompt, the engine ready for the next message
         term.type("not sent")
+        term.expect("not sent")  # echoed: readline has taken the characters
+        term.settle()
         term.type("\x03")  # Ctrl-C at the prompt: the line is dropped, a new prompt
         term.expect(re.escape(QUIT_HINT))
         term.expect(r"you> ")
+        term.settle()
         term.type("\x03")  # twice in a row: quit
         status = term.wait()
     except BaseException:
