@@ -183,3 +183,14 @@ def test_readme_generate_on_the_default_model() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stderr and "cpu backend" in proc.stderr
+
+
+def test_building_the_parser_imports_neither_the_server_nor_torch() -> None:
+    # every command builds the whole parser: `plinth generate`'s cold start must not pay for fastapi,
+    # the server's state or torch there (a module-level import in server/launch.py cost ~0.85 s)
+    code = (
+        "import sys\nfrom plinth.cli import build_parser\nbuild_parser()\n"
+        "print([m for m in ('torch', 'fastapi', 'plinth.server.state', 'plinth.runtime.engine') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

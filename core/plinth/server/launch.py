@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options
-from plinth.server.state import DEFAULT_MAX_REQUEST_BYTES
+from plinth.server import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 

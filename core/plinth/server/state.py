@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from plinth.model.tokenizer import InvalidText
 from plinth.runtime.outputs import RequestOutput
 from plinth.sampling_params import SamplingParams
+from plinth.server import DEFAULT_MAX_REQUEST_BYTES
 from plinth.server.async_engine import AsyncEngine
 from plinth.server.errors import APIError
 from plinth.server.metrics import ServerMetrics
@@ -26,9 +27,6 @@ from plinth.server.metrics import ServerMetrics
 #: a string prompt longer than this many characters per context token is tokenized prefix-first:
 #: when the prefix alone overflows the context, the rest is never tokenized (English averages ~4)
 _CHARS_PER_TOKEN_BOUND = 16
-#: default ``--max-request-bytes``: a 128k-token context is ~0.5 MB of text, JSON escaping can
-#: multiply that by 6, and /detokenize takes up to 2**20 ids (~8 MB)
-DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 class ServerSettings(BaseModel):
