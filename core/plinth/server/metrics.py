@@ -92,52 +92,23 @@ class ServerMetrics:
         self.request_success = Counter(
             "plinth:request_success", "Completions finished, by reason.", [*names, "finished_reason"], registry=reg
         )
-        self.ttft = Histogram(
-            "plinth:time_to_first_token_seconds", "Time to first token.", names, buckets=_LATENCY_BUCKETS, registry=reg
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"plinth:{name}", doc, names, buckets=buckets, registry=reg)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.", _E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first scheduled step.", _E2E_BUCKETS)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled step to the first token.", _E2E_BUCKETS
         )
-        self.itl = Histogram(
-            "plinth:inter_token_latency_seconds", "Time between tokens.", names, buckets=_ITL_BUCKETS, registry=reg
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled step to finish.", _E2E_BUCKETS
         )
-        self.e2e = Histogram(
-            "plinth:e2e_request_latency_seconds", "Arrival to finish.", names, buckets=_E2E_BUCKETS, registry=reg
-        )
-        self.decode_time = Histogram(
-            "plinth:request_decode_time_seconds",
-            "First token to finish.",
-            names,
-            buckets=_E2E_BUCKETS,
-            registry=reg,
-        )
-        self.queue_time = Histogram(
-            "plinth:request_queue_time_seconds",
-            "Arrival to the first scheduled step.",
-            names,
-            buckets=_E2E_BUCKETS,
-            registry=reg,
-        )
-        self.prefill_time = Histogram(
-            "plinth:request_prefill_time_seconds",
-            "First scheduled step to the first token.",
-            names,
-            buckets=_E2E_BUCKETS,
-            registry=reg,
-        )
-        self.inference_time = Histogram(
-            "plinth:request_inference_time_seconds",
-            "First scheduled step to finish.",
-            names,
-            buckets=_E2E_BUCKETS,
-            registry=reg,
-        )
-        self.request_prompt_tokens = Histogram(
-            "plinth:request_prompt_tokens", "Prompt tokens per request.", names, buckets=_TOKEN_BUCKETS, registry=reg
-        )
-        self.request_generation_tokens = Histogram(
-            "plinth:request_generation_tokens",
-            "Generated tokens per request.",
-            names,
-            buckets=_TOKEN_BUCKETS,
-            registry=reg,
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
         # unprefixed, like the one vLLM's server exports (prometheus-fastapi-instrumentator's name)
         self.http_requests = Counter(
