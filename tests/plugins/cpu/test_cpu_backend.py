@@ -9,6 +9,7 @@ from pathlib import Path
 import pluggy
 import pytest
 import torch
+from smaps import mapping_field
 
 from plinth import hookspecs
 from plinth.platform.backend import AttentionSpec, NotSupported, SmallOps
@@ -146,25 +147,8 @@ def test_allocate_kv_cache_follows_the_layout() -> None:
 
 def _resident_bytes(t: torch.Tensor) -> int | None:
     """Bytes of ``t``'s mapping resident in memory (``Rss`` in /proc/self/smaps); None if unknown."""
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return None
-    address = t.data_ptr()
-    for i, line in enumerate(lines):
-        head = line.split()[0] if line and not line.startswith((" ", "\t")) else ""
-        if "-" not in head:
-            continue
-        try:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-        except ValueError:
-            continue
-        if lo <= address < hi:
-            for entry in lines[i + 1 :]:
-                if entry.startswith("Rss:"):
-                    return int(entry.split()[1]) * 1024
-            return None
-    return None
+    rss = mapping_field(t.data_ptr(), "Rss")  # "1234 kB"
+    return None if rss is None else int(rss.split()[0]) * 1024
 
 
 def test_allocate_kv_cache_prefault_backs_every_page() -> None:

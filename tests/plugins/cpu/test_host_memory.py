@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from smaps import mapping_field
 
 from plinth_cpu.host_memory import HUGE_PAGE, huge_page_tensor
 
@@ -22,21 +23,8 @@ def _thp_mode() -> str | None:
 
 def _thp_eligible(address: int) -> bool | None:
     """The THPeligible flag of the mapping holding ``address`` (None if smaps does not say)."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        head = line.split()[0] if line else ""
-        if "-" not in head or line.startswith((" ", "\t")):
-            continue
-        try:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-        except ValueError:
-            continue
-        if lo <= address < hi:
-            for entry in lines[i + 1 :]:
-                if entry.startswith("THPeligible:"):
-                    return entry.split()[1] == "1"
-            return None
-    return None
+    flag = mapping_field(address, "THPeligible")
+    return None if flag is None else flag == "1"
 
 
 def test_a_large_buffer_is_zeroed_aligned_and_advised(monkeypatch: pytest.MonkeyPatch) -> None:
