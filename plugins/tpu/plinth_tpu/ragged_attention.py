@@ -114,11 +114,13 @@ def _page_range(
     """First and last page (inclusive) of its sequence that tile ``tile`` attends to (scalars)."""
     pos0 = pos0_ref[tile]
     rows = rows_ref[tile]
-    last = jnp.maximum(pos0 + rows - 1, 0) // block_size  # causal: nothing past the tile's last query
+    # lax.div, not //: the operands are >= 0, and jnp's floor division lowers a sign fix-up whose
+    # Mosaic rule asks the *default* device for its TPU generation (fails when compiling ahead of time)
+    last = lax.div(jnp.maximum(pos0 + rows - 1, 0), block_size)  # causal: nothing past the tile's last query
     if sliding_window is None:
         first = jnp.int32(0)
     else:
-        first = jnp.minimum(jnp.maximum(pos0 - sliding_window + 1, 0) // block_size, last)
+        first = jnp.minimum(lax.div(jnp.maximum(pos0 - sliding_window + 1, 0), block_size), last)
     return first, last
 
 
