@@ -1,0 +1,165 @@
+"""Ahead-of-time compiles for real TPU targets on a machine without a TPU.
+
+libtpu (``pip install 'jax[tpu]==0.10.2'``) carries the whole TPU compiler, Mosaic included.
+``jax.experimental.topologies.get_topology_desc("v5e:2x2", "tpu")`` gives compile-only devices
+of that chip; arguments placed on one of them (``ShapeDtypeStruct(..., sharding=...)``) make
+``jax.jit(f).lower(...).compile()`` a real TPU compile: tiling violations, VMEM overflows and
+unsupported Mosaic ops fail here exactly as on the chip. Nothing is executed.
+
+:func:`compile_record` returns ``{target: {bucket: "compiled" | error text}}`` for the
+certificate. Run it with ``JAX_PLATFORMS=cpu`` (no TPU runtime is started for it).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from plinth_tpu.gemm import dense_linear, int8_linear, prepare_dense, prepare_int8
+from plinth_tpu.layout import kv_cache_shape
+from plinth_tpu.ragged_attention import ragged_paged_attention
+
+#: TPU targets the backend certifies compiles for, as ``jax.experimental.topologies`` names them.
+#: A 2x2 slice is the smallest these names accept with the default chips-per-host bounds.
+TARGETS: dict[str, str] = {"v5e": "v5e:2x2", "v6e": "v6e:2x2"}
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBucket:
+    """One compiled shape: padded tokens, sequences and blocks per sequence, and the model's heads."""
+
+    num_tokens: int
+    num_seqs: int
+    blocks_per_seq: int
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_size: int = 128
+    block_size: int = 16
+    num_blocks: int = 256
+    dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def label(self) -> str:
+        """A stable key for the record, e.g. ``t64-s8-w16-h8/2x128-bs16-bfloat16/bfloat16``."""
+        extra = (f"-sw{self.sliding_window}" if self.sliding_window else "") + (
+            f"-cap{self.soft_cap:g}" if self.soft_cap else ""
+        )
+        return (
+            f"t{self.num_tokens}-s{self.num_seqs}-w{self.blocks_per_seq}-h{self.num_heads}/{self.num_kv_heads}"
+            f"x{self.head_size}-bs{self.block_size}-{self.dtype}/{self.kv_dtype}{extra}"
+        )
+
+
+DEFAULT_BUCKETS: tuple[AttentionBucket, ...] = (
+    AttentionBucket(16, 16, 8),
+    AttentionBucket(64, 16, 16),
+    AttentionBucket(256, 32, 32),
+    AttentionBucket(64, 16, 16, dtype="float32", kv_dtype="float32"),
+    AttentionBucket(64, 8, 16, num_heads=12, num_kv_heads=4, head_size=64, sliding_window=100, soft_cap=50.0),
+)
+
+
+def compile_only_device(topology: str) -> jax.Device:
+    """The first compile-only device of a TPU topology such as ``"v6e:2x2"``."""
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology, "tpu").devices[0]
+
+
+def _struct(shape: Sequence[int], dtype: DTypeLike, device: jax.Device) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=jax.sharding.SingleDeviceSharding(device))
+
+
+def compile_attention(bucket: AttentionBucket, device: jax.Device) -> None:
+    """Lower and compile the ragged attention (Mosaic, not interpreted) for ``bucket`` on ``device``."""
+    b = bucket
+    s = functools.partial(_struct, device=device)
+    i32 = jnp.int32
+    args = (
+        s((b.num_tokens, b.num_heads, b.head_size), b.dtype),
+        s((b.num_tokens, b.num_kv_heads, b.head_size), b.dtype),
+        s((b.num_tokens, b.num_kv_heads, b.head_size), b.dtype),
+        s(kv_cache_shape(b.num_blocks, b.block_size, b.num_kv_heads, b.head_size, b.kv_dtype), b.kv_dtype),
+        s((b.num_tokens,), i32),
+        s((b.num_seqs, b.blocks_per_seq), i32),
+        s((b.num_seqs,), i32),
+        s((b.num_seqs + 1,), i32),
+        s((3,), i32),
+    )
+    fn = functools.partial(
+        ragged_paged_attention,
+        scale=b.head_size**-0.5,
+        block_size=b.block_size,
+        sliding_window=b.sliding_window,
+        soft_cap=b.soft_cap,
+        interpret=False,
+    )
+    jax.jit(fn, donate_argnums=(3,)).lower(*args).compile()
+
+
+def compile_gemms(device: jax.Device, *, tokens: int = 64, in_features: int = 256, out_features: int = 512) -> None:
+    """Compile a tiny dense (bf16, f32) and int8 weight-only GEMM for ``device``."""
+    s = functools.partial(_struct, device=device)
+    for dtype in ("float32", "bfloat16"):
+        w = jax.eval_shape(lambda: prepare_dense(jnp.zeros((out_features, in_features)), jnp.zeros(out_features), dtype))  # noqa: B023
+        w = jax.tree.map(lambda a: s(a.shape, a.dtype), w)
+        jax.jit(dense_linear).lower(s((tokens, in_features), dtype), w).compile()
+        q = jax.eval_shape(lambda: prepare_int8(jnp.zeros((out_features, in_features)), jnp.zeros(out_features), dtype))  # noqa: B023
+        q = jax.tree.map(lambda a: s(a.shape, a.dtype), q)
+        jax.jit(int8_linear).lower(s((tokens, in_features), dtype), q).compile()
+
+
+def _attempt(fn: Callable[[], None]) -> tuple[str, float]:
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the record carries the compiler's own message
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return f"{type(exc).__name__}: {first[:500]}", time.perf_counter() - start
+    return "compiled", time.perf_counter() - start
+
+
+def compile_record(
+    targets: dict[str, str] | None = None,
+    buckets: Iterable[AttentionBucket] = DEFAULT_BUCKETS,
+    *,
+    timings: dict[str, dict[str, float]] | None = None,
+) -> dict[str, dict[str, str]]:
+    """``{target: {bucket label | "gemm": "compiled" | error text}}`` for every target and bucket.
+
+    A target whose topology cannot be made (no libtpu) records that error under ``"topology"``.
+    ``timings``, when given, is filled with the seconds each compile took.
+    """
+    record: dict[str, dict[str, str]] = {}
+    buckets = tuple(buckets)
+    for target, topology in (targets or TARGETS).items():
+        try:
+            device = compile_only_device(topology)
+        except Exception as exc:  # noqa: BLE001 - reported in the record, not swallowed
+            record[target] = {"topology": f"{type(exc).__name__}: {exc}"}
+            continue
+        entries: dict[str, str] = {}
+        times: dict[str, float] = {}
+        for bucket in buckets:
+            entries[bucket.label()], times[bucket.label()] = _attempt(functools.partial(compile_attention, bucket, device))
+        entries["gemm"], times["gemm"] = _attempt(functools.partial(compile_gemms, device))
+        record[target] = entries
+        if timings is not None:
+            timings[target] = times
+    return record
+
+
+if __name__ == "__main__":  # python -m plinth_tpu.aot: print the record with times
+    import json
+
+    spent: dict[str, dict[str, float]] = {}
+    print(json.dumps(compile_record(timings=spent), indent=2))
+    print(json.dumps({t: {k: round(v, 2) for k, v in d.items()} for t, d in spent.items()}, indent=2))
