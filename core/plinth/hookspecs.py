@@ -84,8 +84,8 @@ API    adds / changes
        (``AttentionMetadata.distribution``, ``describe``, ``traced``); the fused, functional
        ``AttentionKernels.attend`` (default: ``write_kv`` then ``forward``), which the model's
        layers now call; ``KVCacheLayout`` beyond a permutation (interleaved ``kv_heads``,
-       ``packing``, ``head_size_align``, ``block_bytes``; the KV cache is sized from the physical
-       shape)
+       ``packing``, ``head_size_align``, ``block_bytes``, ``canonical_kv_view``; the KV cache is
+       sized from the physical shape)
 =====  ===========================================================================================
 """
 
@@ -146,6 +146,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.backend.StepProgram",
     "plinth.platform.backend.CompiledStep",
     "plinth.platform.backend.torch_dtype",
+    "plinth.platform.backend.canonical_kv_view",
     "plinth.platform.backend.dtype_name",
     "plinth.platform.quant.QuantizedWeight",
     "plinth.platform.quant.dequantize",

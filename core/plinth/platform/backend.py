@@ -37,6 +37,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionSpec",
     "Backend",
+    "CANONICAL_KV_DIMS",
     "Capabilities",
     "CompiledStep",
     "DeviceServices",
@@ -53,6 +54,7 @@ __all__ = [
     "StepInputs",
     "StepProgram",
     "StepShape",
+    "canonical_kv_view",
     "dtype_name",
     "torch_dtype",
 ]
@@ -85,6 +87,37 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ValueError(f"unsupported torch dtype {dtype}")
+
+
+#: The canonical order of a KV cache's dims: what :func:`canonical_kv_view` returns.
+CANONICAL_KV_DIMS: tuple[str, ...] = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
+
+
+def canonical_kv_view(
+    cache: torch.Tensor, layout: KVCacheLayout, num_kv_heads: int, head_size: int, *, physical: bool = False
+) -> torch.Tensor:
+    """A ``[2, num_blocks, block_size, num_kv_heads, head_size]`` view of ``cache`` stored in ``layout``.
+
+    Writing the view writes the cache (it is never a copy: a layout whose dims cannot be viewed so
+    raises). For interleaved layouts the combined heads are split back into K and V, a packed
+    ``packing`` dim merged back, and the head size cut to the model's (``physical=True``: the
+    physical size, padding features included, which must hold zeros).
+
+    .. versionadded:: 1.5
+    """
+    if not layout.interleaved:
+        view = cache.permute([layout.dims.index(d) for d in CANONICAL_KV_DIMS])
+    else:
+        order = [d for d in ("num_blocks", "block_size", "kv_heads", "packing", "head_size") if d in layout.dims]
+        v = cache.permute([layout.dims.index(d) for d in order])
+        nb, bs, dp = v.shape[0], v.shape[1], v.shape[-1]
+        try:
+            view = v.view(nb, bs, num_kv_heads, 2, dp).permute(3, 0, 1, 2, 4)
+        except RuntimeError as e:  # the dims to merge are not adjacent in memory: no view exists
+            raise ValueError(
+                f"KV cache layout {layout.dims}: the cache {tuple(cache.shape)} has no canonical view ({e})"
+            ) from None
+    return view if physical else view[..., :head_size]
 
 
 @dataclass(slots=True)

@@ -243,3 +243,21 @@ def test_the_step_program_is_a_pure_function_of_its_arguments(folder: Path) -> N
     assert torch.equal(logits, again)
     with pytest.raises(ValueError, match="weights missing"):
         program(dict(list(program.weights.items())[1:]), zeros, tensors, x.shape)
+
+
+def test_the_canonical_view_of_an_interleaved_packed_cache_writes_through() -> None:
+    from plinth.platform.backend import canonical_kv_view
+
+    layout = KVCacheLayout(("num_blocks", "block_size", "kv_heads", "packing", "head_size"), head_size_align=8)
+    cache = torch.zeros(layout.shape(3, 4, 2, 6, itemsize=2), dtype=torch.bfloat16)  # [3, 4, 2, 2, 8]
+    view = canonical_kv_view(cache, layout, 2, 6)
+    assert tuple(view.shape) == (2, 3, 4, 2, 6)
+    view[0, 1, 2, 1] = 1.0  # K of kv head 1 -> combined head 2 -> word column 1, packing slot 0
+    view[1, 1, 2, 0] = 2.0  # V of kv head 0 -> combined head 1 -> word column 0, slot 1
+    assert cache[1, 2, 1, 0, :6].tolist() == [1.0] * 6 and cache[1, 2, 0, 1, :6].tolist() == [2.0] * 6
+    assert cache.sum().item() == 6 * 3  # nothing else written; the padding features stay 0
+    assert tuple(canonical_kv_view(cache, layout, 2, 6, physical=True).shape) == (2, 3, 4, 2, 8)
+    plain = KVCacheLayout(("num_blocks", "kv", "block_size", "num_kv_heads", "head_size"))
+    c2 = torch.zeros(plain.shape(3, 4, 2, 6))
+    canonical_kv_view(c2, plain, 2, 6)[1, 2, 3, 1, 5] = 7.0
+    assert c2[2, 1, 3, 1, 5] == 7.0
