@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import pytest
 import torch
-
 from plinth_tpu.ragged_attention import ragged_paged_attention
 from plinth_tpu.torchax_compat import RemovedOverload, import_torchax
 from rpa_batches import make_batch
