@@ -63,6 +63,7 @@ DEFAULT_BUCKETS: tuple[AttentionBucket, ...] = (
     AttentionBucket(64, 16, 16),
     AttentionBucket(256, 32, 32),
     AttentionBucket(64, 16, 16, dtype="float32", kv_dtype="float32"),
+    AttentionBucket(64, 8, 8, num_heads=6, num_kv_heads=2, head_size=80),  # GQA 3, a head padded 80 -> 128
     AttentionBucket(64, 8, 16, num_heads=12, num_kv_heads=4, head_size=64, sliding_window=100, soft_cap=50.0),
 )
 
