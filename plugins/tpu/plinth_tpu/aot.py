@@ -63,6 +63,7 @@ DEFAULT_BUCKETS: tuple[AttentionBucket, ...] = (
     AttentionBucket(64, 16, 16),
     AttentionBucket(256, 32, 32),
     AttentionBucket(64, 16, 16, dtype="float32", kv_dtype="float32"),
+    AttentionBucket(64, 8, 8, num_heads=6, num_kv_heads=2, head_size=80),  # GQA 3, a head padded 80 -> 128
     AttentionBucket(64, 8, 16, num_heads=12, num_kv_heads=4, head_size=64, sliding_window=100, soft_cap=50.0),
 )
 
@@ -108,11 +109,12 @@ def compile_attention(bucket: AttentionBucket, device: jax.Device) -> None:
 def compile_gemms(device: jax.Device, *, tokens: int = 64, in_features: int = 256, out_features: int = 512) -> None:
     """Compile a tiny dense (bf16, f32) and int8 weight-only GEMM for ``device``."""
     s = functools.partial(_struct, device=device)
+    weight, bias = jnp.zeros((out_features, in_features)), jnp.zeros(out_features)
     for dtype in ("float32", "bfloat16"):
-        w = jax.eval_shape(lambda: prepare_dense(jnp.zeros((out_features, in_features)), jnp.zeros(out_features), dtype))  # noqa: B023
-        w = jax.tree.map(lambda a: s(a.shape, a.dtype), w)
-        jax.jit(dense_linear).lower(s((tokens, in_features), dtype), w).compile()
-        q = jax.eval_shape(lambda: prepare_int8(jnp.zeros((out_features, in_features)), jnp.zeros(out_features), dtype))  # noqa: B023
+        dense = jax.eval_shape(functools.partial(prepare_dense, dtype=dtype), weight, bias)
+        dense = jax.tree.map(lambda a: s(a.shape, a.dtype), dense)
+        jax.jit(dense_linear).lower(s((tokens, in_features), dtype), dense).compile()
+        q = jax.eval_shape(functools.partial(prepare_int8, dtype=dtype), weight, bias)
         q = jax.tree.map(lambda a: s(a.shape, a.dtype), q)
         jax.jit(int8_linear).lower(s((tokens, in_features), dtype), q).compile()
 
@@ -149,7 +151,9 @@ def compile_record(
         entries: dict[str, str] = {}
         times: dict[str, float] = {}
         for bucket in buckets:
-            entries[bucket.label()], times[bucket.label()] = _attempt(functools.partial(compile_attention, bucket, device))
+            entries[bucket.label()], times[bucket.label()] = _attempt(
+                functools.partial(compile_attention, bucket, device)
+            )
         entries["gemm"], times["gemm"] = _attempt(functools.partial(compile_gemms, device))
         record[target] = entries
         if timings is not None:

@@ -21,7 +21,9 @@ def to_jax(t: torch.Tensor) -> jax.Array:
     if not t.is_contiguous():
         t = t.contiguous()  # the one copy: XLA buffers are dense row-major
     if t.dtype == torch.bool:
-        return jnp.asarray(t.numpy()) if t.device.type == "cpu" else jax.dlpack.from_dlpack(t.to(torch.uint8)).astype(bool)
+        return (
+            jnp.asarray(t.numpy()) if t.device.type == "cpu" else jax.dlpack.from_dlpack(t.to(torch.uint8)).astype(bool)
+        )
     return jax.dlpack.from_dlpack(t)
 
 

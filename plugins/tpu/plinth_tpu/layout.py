@@ -28,7 +28,9 @@ def kv_packing(dtype: DTypeLike) -> int:
     """How many combined heads share one 32-bit column: 1 for 32-bit, 2 for 16-bit dtypes."""
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize not in (1, 2, 4):
-        raise ValueError(f"KV-cache dtype {jnp.dtype(dtype).name} has itemsize {itemsize}; the TPU layout packs 1, 2 or 4 byte dtypes")
+        raise ValueError(
+            f"KV-cache dtype {jnp.dtype(dtype).name} has itemsize {itemsize}; the TPU layout packs 1, 2 or 4 bytes"
+        )
     return 4 // itemsize
 
 
@@ -53,14 +55,12 @@ def kv_cache_shape(
     packing = kv_packing(dtype)
     if (2 * num_kv_heads) % packing:
         raise ValueError(
-            f"2 * num_kv_heads = {2 * num_kv_heads} is not divisible by the packing {packing} of {jnp.dtype(dtype).name}"
+            f"2 * num_kv_heads = {2 * num_kv_heads} is not divisible by the packing {packing} of {jnp.dtype(dtype)}"
         )
     return (num_blocks, block_size, 2 * num_kv_heads // packing, packing, padded_head_size(head_size))
 
 
-def empty_kv_cache(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: DTypeLike
-) -> jax.Array:
+def empty_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: DTypeLike) -> jax.Array:
     """A zeroed cache of :func:`kv_cache_shape`."""
     return jnp.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, dtype), dtype)
 
@@ -89,7 +89,9 @@ def split_kv(rows: jax.Array, head_size: int) -> tuple[jax.Array, jax.Array]:
 def gather_kv(cache: jax.Array, head_size: int) -> tuple[jax.Array, jax.Array]:
     """The whole cache as plain K and V, each ``[num_blocks, block_size, Hkv, head_size]``."""
     if cache.ndim != 5:
-        raise ValueError(f"expected a 5-d TPU KV cache [blocks, block_size, 2Hkv/packing, packing, Dp], got shape {cache.shape}")
+        raise ValueError(
+            f"expected a 5-d TPU KV cache [blocks, block_size, 2Hkv/packing, packing, Dp], got shape {cache.shape}"
+        )
     return split_kv(cache, head_size)
 
 

@@ -151,9 +151,7 @@ def _attention_kernel(
     num_pages = pl.num_programs(1)
     rows = rows_ref[tile]
     pos0 = pos0_ref[tile]
-    first, last = _page_range(
-        tile, seq_ref, pos0_ref, rows_ref, block_size=block_size, sliding_window=sliding_window
-    )
+    first, last = _page_range(tile, seq_ref, pos0_ref, rows_ref, block_size=block_size, sliding_window=sliding_window)
     seq_len = seq_lens_ref[seq_ref[tile]]
 
     @pl.when(page == 0)
@@ -195,8 +193,8 @@ def _attention_kernel(
     @pl.when(page == num_pages - 1)
     def _finish() -> None:
         for h in range(num_kv_heads):
-            l = l_ref[h][:, :1]
-            o_ref[h] = (acc_ref[h] / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
+            total = l_ref[h][:, :1]
+            o_ref[h] = (acc_ref[h] / jnp.where(total > 0.0, total, 1.0)).astype(o_ref.dtype)
 
 
 def _attention_pass(
@@ -268,9 +266,7 @@ def _attention_pass(
     return out.at[dest].set(o_tiles, mode="drop")
 
 
-def write_kv(
-    kv_cache: jax.Array, key: jax.Array, value: jax.Array, slot_mapping: jax.Array
-) -> jax.Array:
+def write_kv(kv_cache: jax.Array, key: jax.Array, value: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Store ``key``/``value`` [T, Hkv, D] at ``slot_mapping`` [T] (block * block_size + offset).
 
     Slots < 0 (padding tokens) write nowhere; so do slots past the cache, which a caller must not
@@ -297,7 +293,9 @@ def _check_shapes(
     q_tile: int,
 ) -> None:
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
-        raise ValueError(f"q must be [T, H, D] and k, v one [T, Hkv, D] shape; got q {q.shape}, k {k.shape}, v {v.shape}")
+        raise ValueError(
+            f"q must be [T, H, D] and k, v one [T, Hkv, D] shape; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
     num_tokens, num_heads, head_size = q.shape
     if k.shape[0] != num_tokens or k.shape[2] != head_size:
         raise ValueError(f"k/v {k.shape} do not match q {q.shape} in tokens or head size")

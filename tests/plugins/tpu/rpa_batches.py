@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from plinth_tpu.layout import from_plain_kv
 
 
@@ -35,8 +34,15 @@ class Batch:
 
     def args(self) -> tuple[jax.Array, ...]:
         return (
-            self.q, self.k, self.v, self.kv_cache, self.slot_mapping, self.block_tables,
-            self.seq_lens, self.query_start_loc, self.distribution,
+            self.q,
+            self.k,
+            self.v,
+            self.kv_cache,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.distribution,
         )
 
 

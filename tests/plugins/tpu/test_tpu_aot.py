@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
-
 from plinth_tpu.aot import DEFAULT_BUCKETS, TARGETS, AttentionBucket, compile_only_device, compile_record
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (pip install 'jax[tpu]==0.10.2')"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (pip install 'jax[tpu]==0.10.2')"
+    ),
 ]
 
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from plinth_tpu.gemm import dense_linear, int8_linear, prepare_dense, prepare_int8, quantize_int8
 from plinth_tpu.interop import to_jax, to_torch
 
@@ -40,7 +39,9 @@ def test_int8_weight_only() -> None:
     q, scale = quantize_int8(jnp.asarray(w, jnp.float32))
     assert q.dtype == jnp.int8 and scale.shape == (40,)
     assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127
-    np.testing.assert_allclose(np.asarray(q, np.float64) * np.asarray(scale)[:, None], w, atol=float(np.asarray(scale).max()) / 2 + 1e-7)
+    np.testing.assert_allclose(
+        np.asarray(q, np.float64) * np.asarray(scale)[:, None], w, atol=float(np.asarray(scale).max()) / 2 + 1e-7
+    )
     prepared = prepare_int8(jnp.asarray(w), jnp.asarray(b), "float32")
     out = int8_linear(jnp.asarray(x, jnp.float32), prepared)
     dequant = np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None]

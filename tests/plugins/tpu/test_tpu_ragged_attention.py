@@ -11,17 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-from plinth.platform.backend import AttentionMetadata
-from plinth.platform.reference import ReferenceAttention
-from plinth.platform.values import AttentionSpec, KVCacheLayout
 from plinth_tpu.attention_reference import reference_ragged_paged_attention
 from plinth_tpu.layout import gather_kv, kv_cache_shape
 from plinth_tpu.ragged_attention import ragged_paged_attention
 from rpa_batches import Batch, make_batch
 
+from plinth.platform.backend import AttentionMetadata
+from plinth.platform.reference import ReferenceAttention
+from plinth.platform.values import AttentionSpec, KVCacheLayout
 
-def _plinth_reference(batch: Batch, new_cache: jax.Array, *, scale: float, window: int | None, cap: float | None) -> np.ndarray:
+
+def _plinth_reference(
+    batch: Batch, new_cache: jax.Array, *, scale: float, window: int | None, cap: float | None
+) -> np.ndarray:
     """plinth's torch reference over the real sequences, reading the K/V the reference wrote."""
     head_size = batch.q.shape[2]
     k_plain, v_plain = gather_kv(new_cache, head_size)
@@ -34,8 +36,12 @@ def _plinth_reference(batch: Batch, new_cache: jax.Array, *, scale: float, windo
         slot_mapping=torch.from_numpy(np.asarray(batch.slot_mapping)[: batch.num_real_tokens].astype(np.int64)),
     )
     spec = AttentionSpec(
-        num_heads=batch.q.shape[1], num_kv_heads=batch.k.shape[1], head_size=head_size,
-        block_size=batch.block_size, sliding_window=window, logits_soft_cap=cap,
+        num_heads=batch.q.shape[1],
+        num_kv_heads=batch.k.shape[1],
+        head_size=head_size,
+        block_size=batch.block_size,
+        sliding_window=window,
+        logits_soft_cap=cap,
     )
     q = torch.from_numpy(np.asarray(batch.q, np.float32)[: batch.num_real_tokens])
     return ReferenceAttention(spec, KVCacheLayout()).forward(q, kv, meta, scale).numpy()
@@ -67,8 +73,15 @@ def _check(
 
 
 def test_decode_only_with_padding_sequences() -> None:
-    b = make_batch([(1, 33), (1, 1), (1, 16), (1, 70)], num_heads=4, num_kv_heads=4, head_size=128,
-                   tokens_bucket=8, seqs_bucket=8, width=8)
+    b = make_batch(
+        [(1, 33), (1, 1), (1, 16), (1, 70)],
+        num_heads=4,
+        num_kv_heads=4,
+        head_size=128,
+        tokens_bucket=8,
+        seqs_bucket=8,
+        width=8,
+    )
     _check(b)
 
 
@@ -85,8 +98,15 @@ def test_mixed_decodes_prefills_and_chunks() -> None:
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (16, 2)])
 def test_gqa_ratios(num_heads: int, num_kv_heads: int) -> None:
-    b = make_batch([(1, 21), (10, 30)], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64,
-                   tokens_bucket=16, seqs_bucket=4, seed=num_heads)
+    b = make_batch(
+        [(1, 21), (10, 30)],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=64,
+        tokens_bucket=16,
+        seqs_bucket=4,
+        seed=num_heads,
+    )
     _check(b)
 
 
@@ -113,8 +133,9 @@ def test_soft_cap_with_large_logits() -> None:
 
 def test_large_scores_need_the_running_maximum() -> None:
     # scores in the thousands: exp() overflows float32 without subtracting a running maximum
-    b = make_batch([(1, 50), (12, 40)], num_heads=2, num_kv_heads=1, head_size=64, magnitude=30.0,
-                   tokens_bucket=16, seed=3)
+    b = make_batch(
+        [(1, 50), (12, 40)], num_heads=2, num_kv_heads=1, head_size=64, magnitude=30.0, tokens_bucket=16, seed=3
+    )
     _check(b, atol=1e-4)
 
 
@@ -133,14 +154,24 @@ def test_tile_smaller_than_prefill_and_empty_step() -> None:
 
 def test_bfloat16_cache_and_queries() -> None:
     seqs = [(1, 37), (1, 3), (10, 10), (6, 28)]
-    b = make_batch(seqs, num_heads=6, num_kv_heads=2, head_size=128, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
-                   tokens_bucket=32, seqs_bucket=6)
+    b = make_batch(
+        seqs,
+        num_heads=6,
+        num_kv_heads=2,
+        head_size=128,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.bfloat16,
+        tokens_bucket=32,
+        seqs_bucket=6,
+    )
     assert b.kv_cache.shape[2:4] == (2, 2)  # 2 kv heads -> 4 combined heads, packed 2 per word
     _check(b, atol=3e-2)
 
 
 def test_float32_queries_over_bfloat16_cache() -> None:
-    b = make_batch([(1, 20), (8, 24)], num_heads=4, num_kv_heads=2, head_size=64, kv_dtype=jnp.bfloat16, tokens_bucket=16)
+    b = make_batch(
+        [(1, 20), (8, 24)], num_heads=4, num_kv_heads=2, head_size=64, kv_dtype=jnp.bfloat16, tokens_bucket=16
+    )
     _check(b, atol=1e-4)  # K/V are read exactly (bf16 -> f32), so only float32 rounding remains
 
 
@@ -153,7 +184,14 @@ def test_bad_inputs_name_the_culprit() -> None:
     with pytest.raises(ValueError, match="block_tables must be int32"):
         ragged_paged_attention(*args, scale=1.0, block_size=16, interpret=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a multiple"):
-        ragged_paged_attention(b.q[:, :1], b.k.repeat(2, axis=1), b.v.repeat(2, axis=1), *args[3:], scale=1.0,
-                               block_size=16, interpret=True)  # type: ignore[arg-type]
+        ragged_paged_attention(
+            b.q[:, :1],
+            b.k.repeat(2, axis=1),
+            b.v.repeat(2, axis=1),
+            *args[3:],
+            scale=1.0,
+            block_size=16,
+            interpret=True,
+        )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="q_tile must be a power of two"):
         ragged_paged_attention(*b.args(), scale=1.0, block_size=16, interpret=True, q_tile=6)  # type: ignore[arg-type]
