@@ -48,7 +48,7 @@ import torch
 
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.model.loader import load_model, resolve_model
-from plinth.platform.backend import AttentionKernels, AttentionMetadata, LinearWeight
+from plinth.platform.backend import AttentionKernels, AttentionMetadata, LinearWeight, SmallOps
 from plinth.platform.reference import ReferenceBackend
 from plinth_conformance.tiny_models import save_tiny_model
 
@@ -56,7 +56,7 @@ BLOCK_SIZE = 16
 MAX_BLOCKS = 8  # per sequence: a 128-token context
 MAX_SEQS = 8
 NUM_BLOCKS = 1 + MAX_SEQS * MAX_BLOCKS  # block 0 is the null block padding tokens write into
-PATHS = ("eager", "torchax", "torch-xla")
+PATHS = ("eager", "torchax", "torch-xla", "torch-xla-dynamo")
 SHAPES = ("decode1", "decode8", "prefill64")
 
 
@@ -102,8 +102,10 @@ class StaticAttention(AttentionKernels):
         pos = torch.where(valid, pos, torch.zeros_like(pos))
         blocks = meta.block_tables.long()[seq]  # [T, MB]
         width = blocks.shape[1] * block_size
-        k = kv_cache[0][blocks].reshape(num_tokens, width, num_kv_heads, head_size).float()  # [T, S, Hkv, D]
-        v = kv_cache[1][blocks].reshape(num_tokens, width, num_kv_heads, head_size).float()
+        # one indexing op, not kv_cache[0][blocks]: torchax 0.0.13 makes kv_cache[0] a lazy View,
+        # and a View indexed by a tensor raises AttributeError ('View' object has no attribute '_elem')
+        k = kv_cache[0, blocks].reshape(num_tokens, width, num_kv_heads, head_size).float()  # [T, S, Hkv, D]
+        v = kv_cache[1, blocks].reshape(num_tokens, width, num_kv_heads, head_size).float()
         q = query.float().reshape(num_tokens, num_kv_heads, group, head_size)  # [T, Hkv, G, D]
         scores = torch.einsum("tkgd,tskd->tkgs", q, k) * scale  # [T, Hkv, G, S]
         if self.spec.logits_soft_cap is not None:
@@ -120,11 +122,46 @@ class StaticAttention(AttentionKernels):
         return out.to(query.dtype)
 
 
+# -- a Pallas kernel inside the torch graph ----------------------------------------------------
+
+
+def silu_and_mul_pallas(x: Any) -> Any:
+    """``silu(x[:, :I]) * x[:, I:]`` as a Pallas kernel (interpreted: this runs on JAX CPU).
+
+    A stand-in for the backend's ragged paged attention: it shows how each path reaches a JAX
+    kernel from the middle of the torch graph, and what that costs in compilations.
+    """
+    import jax
+    from jax.experimental import pallas as pl
+
+    half = x.shape[-1] // 2
+
+    def kernel(x_ref: Any, o_ref: Any) -> None:
+        gate, up = x_ref[:, :half], x_ref[:, half:]
+        o_ref[...] = gate * jax.nn.sigmoid(gate) * up
+
+    out = jax.ShapeDtypeStruct((x.shape[0], half), x.dtype)
+    return pl.pallas_call(kernel, out_shape=out, interpret=True)(x)
+
+
+class PallasOps(SmallOps):
+    """The reference small ops with ``silu_and_mul`` run by :func:`silu_and_mul_pallas` through ``bridge``."""
+
+    def __init__(self, bridge: Callable[..., torch.Tensor]) -> None:
+        self.bridge = bridge
+        self.calls = 0  # Python-level calls: once per layer per trace (jit) or per step (lazy)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.bridge(silu_and_mul_pallas, x)
+
+
 # -- the model and its state as explicit arguments ---------------------------------------------
 
 
-def build_model(folder: Path, attention: str) -> Any:
-    """The tiny Llama from ``folder`` on the reference GEMM/small ops and ``attention`` kernels."""
+def build_model(folder: Path, attention: str, ops: SmallOps | None = None) -> Any:
+    """The tiny Llama from ``folder`` on the reference GEMM, ``ops`` (default the reference small
+    ops) and ``attention`` kernels."""
     backend = ReferenceBackend()
 
     def attention_kernels(spec: Any) -> AttentionKernels:
@@ -132,9 +169,23 @@ def build_model(folder: Path, attention: str) -> Any:
             return backend.attention_kernels(spec)
         return StaticAttention(spec, backend.capabilities().kv_cache_layout)
 
-    kernels = ModelKernels(gemm=backend.gemm_kernels("float32"), ops=backend.small_ops(), attention=attention_kernels)
+    kernels = ModelKernels(
+        gemm=backend.gemm_kernels("float32"), ops=ops or backend.small_ops(), attention=attention_kernels
+    )
     model, _ = load_model(resolve_model(str(folder)), kernels, torch.float32, BLOCK_SIZE, "float32")
     return model
+
+
+def strip_inference_mode(model: Any) -> None:
+    """Run ``model``'s forward, forward_embedded and compute_logits without ``@torch.inference_mode()``.
+
+    Under inference mode every tensor torchax makes is an inference tensor, and its first view op
+    (``weight.t()`` in the reference GEMM) raises "Cannot set version_counter for inference tensor".
+    The caller then runs the step under ``torch.no_grad()`` instead.
+    """
+    for name in ("forward", "forward_embedded", "compute_logits"):
+        undecorated = getattr(type(model), name).__wrapped__
+        setattr(model, name, undecorated.__get__(model))
 
 
 def _state_slots(model: torch.nn.Module) -> Iterator[tuple[str, Any, str]]:
@@ -244,33 +295,47 @@ def make_step(shape: str, gen: torch.Generator, vocab: int) -> Step:
     )
 
 
-def forward_fn(model: Any, state: ModelState, host: list[Step]) -> Callable[..., Any]:
+def forward_fn(model: Any, state: ModelState, host: list[Step], bucket_host: bool) -> Callable[..., Any]:
     """``(weights, kv_caches, inputs) -> (logits, kv_caches)``: the forward as a function of its state.
 
     The metadata's host fields (query and sequence lengths as Python ints) come from ``host[0]``,
     which the caller sets before each call: an eager or lazy path reads each step's own, a traced
-    path reads them once, at trace time, as constants of its graph. StaticAttention never reads them.
+    path reads them once, at trace time, as constants of its graph. With ``bucket_host`` the
+    sequence lengths are the bucket's capacity instead (what a static-shape runner passes: a
+    tracer that guards on Python ints, dynamo, would otherwise retrace for every new length);
+    StaticAttention never reads them, the reference attention needs the step's own.
     """
 
     def fn(
         weights: dict[str, torch.Tensor], kv_caches: list[torch.Tensor], inputs: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        held = state.tensors()
         state.assign(weights)
+        try:
+            return _forward(inputs, kv_caches)
+        finally:  # never leave the model holding a trace's tracers
+            state.assign(held)
+
+    def _forward(
+        inputs: dict[str, torch.Tensor], kv_caches: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         step = host[0]
+        seq_lens_host = [MAX_BLOCKS * BLOCK_SIZE] * len(step.query_lens) if bucket_host else step.seq_lens_host
         meta = AttentionMetadata(
             query_start_loc=inputs["query_start_loc"],
             seq_lens=inputs["seq_lens"],
             block_tables=inputs["block_tables"],
             slot_mapping=inputs["slot_mapping"],
             max_query_len=max(step.query_lens),
-            max_seq_len=max(step.seq_lens_host),
+            max_seq_len=max(seq_lens_host),
             query_lens_host=list(step.query_lens),
-            seq_lens_host=list(step.seq_lens_host),
+            seq_lens_host=list(seq_lens_host),
         )
         caches = list(kv_caches)
-        hidden = model.forward(inputs["input_ids"], inputs["positions"], ForwardContext(meta, caches))
-        # caches: the same tensor objects, written in place (rebound to new arrays under torchax)
-        return model.compute_logits(hidden), caches
+        with torch.no_grad():  # a no-op where the model's own @torch.inference_mode() is kept
+            hidden = model.forward(inputs["input_ids"], inputs["positions"], ForwardContext(meta, caches))
+            # caches: the same tensor objects, written in place (rebound to new arrays under torchax)
+            return model.compute_logits(hidden), caches
 
     return fn
 
@@ -324,9 +389,56 @@ class Runner:
         """Compilations so far (0 for eager)."""
         return 0
 
+    def call_jax(self, fn: Callable[..., Any], *args: torch.Tensor) -> torch.Tensor:
+        """``fn`` (a JAX function) on this path's tensors, from inside the torch graph."""
+        raise NotImplementedError(f"the {self.name} path has no JAX bridge: --pallas-op needs torchax or torch-xla")
+
     def notes(self) -> list[str]:
         """What this path needed, in words."""
         return ["eager torch on the host: no compilation; the cache is written in place"]
+
+
+class _RemovedOverload:
+    """Stands for an aten overload this torch no longer has, so a module naming it can import."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"<removed overload {self._name}>"
+
+
+def _shim_removed_overloads(package: str) -> list[str]:
+    """Give ``torch.ops.aten`` a placeholder for every overload ``package`` names that torch lacks.
+
+    torchax 0.0.13 (the newest) names the named-tensor (Dimname) overloads at import time
+    (``torch.ops.aten.prod.dim_Dimname`` in amp.py, ~20 more in decompositions.py); torch 2.13
+    removed them, so ``import torchax`` raises AttributeError. No tensor of ours has names, so no
+    traced call can reach them: a distinct placeholder per name (never a real overload, which could
+    shadow that overload's real entry in torchax's tables) lets the module import. Returns what it shimmed.
+    """
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"{package} is not installed in {sys.prefix}")
+    shimmed = []
+    for root in spec.submodule_search_locations:
+        for source in Path(root).rglob("*.py"):
+            for op, overload in re.findall(r"torch\.ops\.aten\.(\w+)\.(\w+)", source.read_text()):
+                packet = getattr(torch.ops.aten, op, None)
+                if packet is None or overload in ("default", "overloads"):
+                    continue
+                try:
+                    getattr(packet, overload)
+                except AttributeError:
+                    setattr(packet, overload, _RemovedOverload(f"aten::{op}.{overload}"))
+                    shimmed.append(f"{op}.{overload}")
+    return sorted(set(shimmed))
 
 
 class TorchaxRunner(Runner):
@@ -341,6 +453,8 @@ class TorchaxRunner(Runner):
 
     def __init__(self) -> None:
         import jax
+
+        self.shimmed = _shim_removed_overloads("torchax")
         import torchax
         import torchax.interop
 
@@ -372,12 +486,20 @@ class TorchaxRunner(Runner):
     def compiles(self) -> int:
         return self._compiles
 
+    def call_jax(self, fn: Callable[..., Any], *args: torch.Tensor) -> torch.Tensor:
+        # a torchax tensor is a JAX array (a tracer under jit): the kernel is traced inline
+        return self.interop.call_jax(fn, *args)
+
     def notes(self) -> list[str]:
         return [
             f"torchax {self.torchax.__version__ if hasattr(self.torchax, '__version__') else '?'}, "
             f"jax {self.jax.__version__} on {self.jax.devices()[0].platform}",
             "torchax.interop.jax_jit(step, donate_argnums=(1,)); weights, caches and inputs are pytree arguments",
             "in-place KV write: the caches are returned by the step and the caller keeps the returned arrays",
+            f"torch {torch.__version__} lacks {len(self.shimmed)} aten overloads torchax names at import "
+            f"(placeholders set: {', '.join(self.shimmed[:4])}, ...)"
+            if self.shimmed
+            else "torchax imported without shims",
         ]
 
 
@@ -418,12 +540,37 @@ class TorchXlaRunner(Runner):
     def compiles(self) -> int:
         return int(self.met.counter_value("UncachedCompile") or 0)
 
+    def call_jax(self, fn: Callable[..., Any], *args: torch.Tensor) -> torch.Tensor:
+        # jax lowers fn to HLO once per (fn, shapes); the lazy graph embeds it as a computation
+        import torch_xla.core.xla_builder as xb
+
+        return xb.call_jax(fn, args)
+
     def notes(self) -> list[str]:
         return [
             f"torch {torch.__version__}, torch_xla {self.torch_xla.__version__}, "
             f"PJRT_DEVICE={os.environ.get('PJRT_DEVICE')}",
             "lazy tensors: the step is re-traced in Python every call, hashed, and compiled only on a new graph",
             "in-place KV write: index_put_ on the XLA cache tensor, materialised at torch_xla.sync()",
+        ]
+
+
+class TorchXlaDynamoRunner(TorchXlaRunner):
+    """torch-xla through dynamo: ``torch.compile(step, backend="openxla")``, XLA graphs replayed
+    without re-tracing the Python (dynamo's guards decide when to trace again)."""
+
+    name = "torch-xla-dynamo"
+
+    def prepare(self, fn: Callable[..., Any], weights: dict[str, torch.Tensor]) -> None:
+        super().prepare(torch.compile(fn, backend="openxla"), weights)
+
+    def notes(self) -> list[str]:
+        from torch._dynamo.utils import counters
+
+        return [
+            *super().notes()[:1],
+            'torch.compile(step, backend="openxla"); compiles counted by XLA (UncachedCompile)',
+            f"dynamo: {dict(counters['stats'])}, graph breaks: {sum(counters['graph_break'].values())}",
         ]
 
 
@@ -435,6 +582,8 @@ def make_runner(path: str) -> Runner:
         return TorchaxRunner()
     if path == "torch-xla":
         return TorchXlaRunner()
+    if path == "torch-xla-dynamo":
+        return TorchXlaDynamoRunner()
     raise ValueError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
 
 
@@ -472,7 +621,7 @@ def measure(
     ref_logits, ref_caches = eager_oracle(model_ref, host_caches, step0)
     state = ModelState(model)
     host = [step0]
-    runner.prepare(forward_fn(model, state, host), state.tensors())
+    runner.prepare(forward_fn(model, state, host, bucket_host=attention == "static"), state.tensors())
     caches = [runner.to_device(c.clone()) for c in host_caches]
     before = runner.compiles()
     t0 = time.perf_counter()
@@ -518,7 +667,7 @@ def measure(
 
 def _origin(exc: BaseException) -> str:
     """The innermost plinth frame of ``exc``'s traceback (where the untraceable op is)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "plinth" in f.filename]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "plinth" in f.filename or f.filename == __file__]
     if not frames:
         return "no plinth frame in the traceback"
     f = frames[-1]
@@ -533,6 +682,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--steps", type=int, default=20, help="steady-state steps (median reported)")
     parser.add_argument("--value-steps", type=int, default=10, help="steps with new values, counting compiles")
+    parser.add_argument(
+        "--no-inference-mode",
+        action="store_true",
+        help="call the model's forward without its @torch.inference_mode() (torch.no_grad() instead)",
+    )
+    parser.add_argument(
+        "--pallas-op",
+        action="store_true",
+        help="run silu_and_mul as a Pallas kernel (interpret mode) through the path's JAX bridge",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -542,17 +701,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.value_steps < 0:
         parser.error("--steps must be >= 1 and --value-steps >= 0")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    runner = make_runner(args.path)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_tiny_model("llama", Path(tmp) / "llama")
-        model = build_model(folder, args.attention)
+        model = build_model(folder, args.attention, PallasOps(runner.call_jax) if args.pallas_op else None)
+        if args.no_inference_mode:
+            strip_inference_mode(model)
         model_ref = build_model(folder, "reference")
-    runner = make_runner(args.path)
     rows = []
     for shape in shapes:
         row = measure(runner, model, model_ref, shape, args.attention, args.steps, args.value_steps)
         rows.append(row)
     header = (
-        f"path={args.path} attention={args.attention} torch={torch.__version__} python={platform.python_version()} "
+        f"path={args.path} attention={args.attention} pallas_op={args.pallas_op} inference_mode={not args.no_inference_mode} torch={torch.__version__} python={platform.python_version()} "
         f"host={platform.machine()} threads={torch.get_num_threads()}"
     )
     print(header)
@@ -571,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     for note in runner.notes():
         print(f"note: {note}")
+    if isinstance(model.kernels.ops, PallasOps):
+        print(f"note: the Pallas silu_and_mul was called {model.kernels.ops.calls} times from Python")
     if args.json:
         args.json.write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
     return 0 if all(r.error is None for r in rows) else 1
