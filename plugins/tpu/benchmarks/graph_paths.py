@@ -462,7 +462,7 @@ class TorchaxRunner(Runner):
         self.env = torchax.default_env()
         self._compiles = 0
 
-        def on_event(event: str, duration: float, **kwargs: Any) -> None:
+        def on_event(event: str, duration_secs: float, **kwargs: str | int) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
                 self._compiles += 1
 
@@ -674,6 +674,17 @@ def _origin(exc: BaseException) -> str:
     return f"raised under {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
 
 
+def _cpu_name() -> str:
+    """The host CPU's model name (Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip().replace(" ", "_")
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, measure every shape on one path, print a table (and JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -713,8 +724,9 @@ def main(argv: list[str] | None = None) -> int:
         row = measure(runner, model, model_ref, shape, args.attention, args.steps, args.value_steps)
         rows.append(row)
     header = (
-        f"path={args.path} attention={args.attention} pallas_op={args.pallas_op} inference_mode={not args.no_inference_mode} torch={torch.__version__} python={platform.python_version()} "
-        f"host={platform.machine()} threads={torch.get_num_threads()}"
+        f"path={args.path} attention={args.attention} pallas_op={args.pallas_op} "
+        f"inference_mode={not args.no_inference_mode} torch={torch.__version__} python={platform.python_version()} "
+        f"host={_cpu_name()} threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}"
     )
     print(header)
     print(
