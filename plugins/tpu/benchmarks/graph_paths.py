@@ -24,8 +24,12 @@ math on fixed shapes with every index computed on the device, the form a traced 
 Each path runs in its own environment (torch-xla pins its own torch)::
 
     python plugins/tpu/benchmarks/graph_paths.py --path eager
-    /work/venvs/torchax/bin/python plugins/tpu/benchmarks/graph_paths.py --path torchax
-    PJRT_DEVICE=CPU /work/venvs/torch-xla/bin/python plugins/tpu/benchmarks/graph_paths.py --path torch-xla
+    /work/venvs/torchax/bin/python plugins/tpu/benchmarks/graph_paths.py --path torchax --no-inference-mode
+    PJRT_DEVICE=CPU /work/venvs/torch-xla/bin/python plugins/tpu/benchmarks/graph_paths.py \
+        --path torch-xla --no-inference-mode        # or --path torch-xla-dynamo
+
+(both JAX/XLA paths fail under the model's own ``@torch.inference_mode()``: see graph_paths.md,
+which holds the measured results).
 """
 
 from __future__ import annotations
