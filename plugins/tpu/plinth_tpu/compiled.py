@@ -102,7 +102,7 @@ class JaxCompiledStep(CompiledStep):
         if self.compilations != before:
             logits.block_until_ready()
             self.compile_seconds += time.monotonic() - t0
-        return to_torch(jax.device_get(logits)) if self.device.platform != "cpu" else to_torch(logits)
+        return _host(logits)
 
     def warmup(
         self, shapes: Sequence[StepShape], progress: Callable[[int, int, StepShape], None] | None = None
@@ -131,7 +131,14 @@ class JaxCompiledStep(CompiledStep):
             self._run_copy(pairs)
 
     def kv_caches(self) -> list[torch.Tensor]:
-        return [to_torch(jax.device_get(c)).clone() for c in self._caches]
+        return [_host(c).clone() for c in self._caches]
+
+
+def _host(a: Any) -> torch.Tensor:
+    """A device array as a host torch tensor (over the buffer itself when it is already on the host)."""
+    if a.devices() != {jax.devices("cpu")[0]}:
+        a = jax.device_put(a, jax.devices("cpu")[0])
+    return to_torch(a)
 
 
 def _value(t: Any) -> Any:
