@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -253,7 +254,11 @@ class ModelStepProgram(StepProgram):
 
 
 def default_progress(done: int, total: int, shape: StepShape) -> None:
-    """A progress line on the log every tenth of the way (and at the end)."""
+    """A progress bar on a terminal's stderr, and a log line every tenth of the way (and at the end)."""
+    if sys.stderr.isatty():
+        bar = "#" * (24 * done // total)
+        end = "\n" if done == total else ""
+        print(f"\rcompiling step shapes [{bar:<24}] {done}/{total}", end=end, file=sys.stderr, flush=True)
     if done == total or done % max(1, total // 10) == 0:
         logger.info("compiled %d/%d step shapes (last: %d tokens, %d seqs, %d blocks)", done, total, *shape)
 
