@@ -37,7 +37,8 @@ class EngineConfig:
     - ``allow_pickle``: allow loading pickle (.bin/.pt) checkpoints.
     - ``num_threads`` (>= 1): host threads for the backend's kernels (``DeviceServices.set_num_threads``).
     - ``enforce_eager``: run every step eagerly; False: replay decode steps from step graphs where
-      the backend can.
+      the backend can, and compile whole steps where it declares step buckets (API 1.5; eager, such
+      a backend's steps are still padded to its buckets).
     - ``compile_cache_dir``: where a backend that compiles whole steps (API 1.5) keeps its compiled
       executables across processes; None: ``$PLINTH_COMPILE_CACHE``, else ``~/.cache/plinth/compile``;
       ``""``: no disk cache.

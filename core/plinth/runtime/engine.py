@@ -225,7 +225,10 @@ class LLMEngine:
                 + "): lower max_num_batched_tokens / max_num_seqs / max_model_len"
             )
         program = ModelStepProgram(self.model, block_size, self.model_config.vocab_size, self.model_config.hidden_size)
-        static = StaticSteps(buckets, program, kv_caches, services, block_size, compile_cache_dir(config))
+        cache_dir = compile_cache_dir(config)
+        static = StaticSteps(
+            buckets, program, kv_caches, services, block_size, cache_dir, compile=not config.enforce_eager
+        )
         lap = time.monotonic()
         static.warmup()
         self.startup_seconds["compile"] = time.monotonic() - lap

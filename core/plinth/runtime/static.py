@@ -272,6 +272,7 @@ class StaticSteps:
     :param services: the backend's device services (``compile_step``).
     :param block_size: KV block size.
     :param cache_dir: where a compiled step may keep executables across processes.
+    :param compile: False runs the padded steps eagerly (``--enforce-eager``), compiling nothing.
     """
 
     def __init__(
@@ -282,12 +283,15 @@ class StaticSteps:
         services: DeviceServices,
         block_size: int,
         cache_dir: str | None = None,
+        compile: bool = True,
     ) -> None:
         self.buckets = buckets
         self.program = program
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.compiled: CompiledStep | None = services.compile_step(program, kv_caches, cache_dir=cache_dir)
+        self.compiled: CompiledStep | None = (
+            services.compile_step(program, kv_caches, cache_dir=cache_dir) if compile else None
+        )
         #: compilations the compiled step had made when warm-up ended (None before warm-up)
         self.compilations_at_warmup: int | None = None
         self.warmup_seconds = 0.0

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from plinth_tpu.backend import INTERPRET_ENV, TPU_KV_LAYOUT, TpuBackend
 
 from plinth import LLM, SamplingParams
 from plinth.platform.host import default_host
-from plinth_tpu.backend import INTERPRET_ENV, TPU_KV_LAYOUT, TpuBackend
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 ENGINE = dict(num_kv_blocks=96, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16)
@@ -182,9 +182,8 @@ def test_forks_prefix_hits_and_a_64_request_workload_compile_nothing_after_warmu
     _compare(again, first)
     # 64 requests of mixed lengths and budgets: decodes, prefills and chunks in every mix
     rng = torch.Generator().manual_seed(0)
-    prompts = [
-        [int(t) for t in torch.randint(3, VOCAB, (int(n),), generator=rng)] for n in torch.randint(1, 90, (64,), generator=rng)
-    ]
+    lengths = torch.randint(1, 90, (64,), generator=rng)
+    prompts = [[int(t) for t in torch.randint(3, VOCAB, (int(n),), generator=rng)] for n in lengths]
     budgets = [int(n) for n in torch.randint(1, 10, (64,), generator=rng)]
     params = [SamplingParams(temperature=0, max_tokens=b, ignore_eos=True) for b in budgets]
     t0 = time.monotonic()
@@ -228,3 +227,13 @@ def test_a_second_process_starts_from_the_disk_cache(tiny: dict[str, Path], tmp_
     assert cold["compilations"] == warm["compilations"]  # the same shapes traced...
     assert warm["compile"] < 0.6 * cold["compile"], runs  # ...but XLA's work came from the disk
     print(f"start-up without the disk cache {cold['start']:.1f}s, with it {warm['start']:.1f}s")
+
+
+def test_enforce_eager_runs_the_padded_steps_uncompiled(tiny: dict[str, Path], interpret: None) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    eager = LLM(model=str(tiny["llama"]), backend="tpu", enforce_eager=True, **{**ENGINE, "max_num_batched_tokens": 16})
+    static = eager.engine.static
+    assert static is not None and static.compiled is None
+    ref = LLM(model=str(tiny["llama"]), backend="reference", **ENGINE)
+    _compare(eager.generate(PROMPTS[:2], params), ref.generate(PROMPTS[:2], params))
+    assert static.steps > 0 and static.compilations == 0

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from plinth_tpu.backend import INTERPRET_ENV
 
 from plinth_conformance.cli import suite_args
-from plinth_tpu.backend import INTERPRET_ENV
 
 pytest_plugins = ["pytester"]
 
