@@ -307,7 +307,7 @@ def _coverage_lines(cov: dict[str, Any]) -> list[str]:
     """What the passed cases exercised: capability values, shapes and path classes."""
     if not cov:
         return []
-    lines = ["", "Exercised by passed cases (what \"passed\" covers):", ""]
+    lines = ["", 'Exercised by passed cases (what "passed" covers):', ""]
     for key in (
         "dtype_pairs",
         "head_sizes",
