@@ -146,7 +146,7 @@ def test_engine(plinth_backend: Backend, plinth_state: SuiteState, engine_case: 
     batch = _prompts(case)
     params = _params()
     mine = _llm(plinth_state, folder, name, case.block_size)
-    tie = tie_tolerance(plinth_backend.default_dtype())  # the dtype LLM() runs in without one
+    tie = tie_tolerance(plinth_backend.device_services().default_dtype())  # the dtype LLM() runs in without one
     problems: list[str] = []
     if case.check == "greedy-vs-reference":
         if name == "reference":
