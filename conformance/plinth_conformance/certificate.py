@@ -198,6 +198,7 @@ def build_certificate(state: SuiteState, keyword: str | None = None) -> dict[str
         "command": _command(state, keyword),
         "result": "passed" if passed else "failed",
         "tier_selection": state.tier_choice,
+        "note": state.note,
         "backend": {
             "name": state.backend_name,
             "version": getattr(backend, "version", None),
@@ -245,6 +246,7 @@ def summary_markdown(cert: dict[str, Any]) -> str:
         + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else "")
         + (f", ISA {' '.join(host['isa'])}" if host.get("isa") else "")
         + (f" ({host['note']})" if host.get("note") else ""),
+        *([f"- note: {cert['note']}"] if cert.get("note") else []),
         "",
         "| tier | status | passed | failed | skipped | seconds |",
         "|---|---|---|---|---|---|",
