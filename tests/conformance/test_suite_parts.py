@@ -229,3 +229,21 @@ def test_round_activations_stays_on_its_grid(scheme: str) -> None:
     assert float(err.max()) <= bound * (1 + 1e-5), float(err.max())
     with pytest.raises(ValueError, match="unknown activation rounding 'int4'"):
         round_activations(x, "int4")
+
+
+def test_induction_prompts_and_their_continuation() -> None:
+    from plinth_conformance import induction
+
+    prompt = induction.cyclic_prompt(7, 5, 12)
+    cycle = prompt[1:6]
+    assert len(prompt) == 12 and len(set(cycle)) == 5 and prompt[0] not in cycle
+    assert prompt[1:] == (cycle * 3)[:11]
+    assert induction.continuation(prompt, 5, 7) == (cycle * 4)[11 : 11 + 7]
+    assert all(induction.FIRST_CODED <= t < induction.FIRST_CODED + induction.NUM_CODED for t in prompt)
+    with pytest.raises(ValueError, match="period must be in 1..63"):
+        induction.cyclic_prompt(0, 64, 100)
+    codes = induction.codes()
+    gram = codes @ codes.t()
+    assert set(gram.unique().tolist()) == {-32.0, 0.0, 32.0}  # orthogonal or opposite
+    # layer 1's previous-token head: the previous key beats every other one by PREV_MARGIN nats
+    assert induction.prev_token_margin() > 1.5
