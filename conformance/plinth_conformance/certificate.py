@@ -148,21 +148,25 @@ def _tolerance_summary(state: SuiteState) -> dict[str, Any]:
 
 
 def _quantized_summary(state: SuiteState) -> dict[str, Any]:
-    """Per declared format: the bytes prepared weights hold per byte of GGUF blocks, the worst raw
-    relative error and the largest share of the activation-rounding allowance an element used."""
+    """Per declared format: the activation roundings the outputs matched (suite 1.3: modelled
+    exactly), the worst relative error against that rounding's fp64 product, the largest rounding-tie
+    allowance (relative), and the bytes prepared weights hold per byte of GGUF blocks."""
     metrics = {t["case"]: t for t in state.tolerances}
     by_format: dict[str, dict[str, Any]] = {}
     for q in state.quantized:
-        empty = {"cases": 0, "prepared_per_block_byte": 0.0, "prepared_formats": []}
-        d = by_format.setdefault(q["format"], {**empty, "max_raw_rel": 0.0, "max_allowance_used": 0.0})
+        empty = {"cases": 0, "prepared_per_block_byte": 0.0, "prepared_formats": [], "activation_roundings": []}
+        d = by_format.setdefault(q["format"], {**empty, "max_raw_rel": 0.0, "max_tie_allowance_rel": 0.0})
         d["cases"] += 1
         ratio = q["prepared_bytes"] / q["blocks_bytes"] if q["blocks_bytes"] else 0.0
         d["prepared_per_block_byte"] = round(max(d["prepared_per_block_byte"], ratio), 3)
         if q["prepared_format"] not in d["prepared_formats"]:
             d["prepared_formats"].append(q["prepared_format"])
+        rounding = q.get("activation_rounding") or "none matched"
+        if rounding not in d["activation_roundings"]:
+            d["activation_roundings"].append(rounding)
         m = metrics.get(q["case"], {})
         d["max_raw_rel"] = float(f"{max(d['max_raw_rel'], m.get('raw_rel', 0.0)):.3g}")
-        d["max_allowance_used"] = float(f"{max(d['max_allowance_used'], m.get('allowance_used', 0.0)):.3g}")
+        d["max_tie_allowance_rel"] = float(f"{max(d['max_tie_allowance_rel'], m.get('allowance_rel', 0.0)):.3g}")
     return {"by_format": by_format, "weights": state.quantized}
 
 
@@ -194,6 +198,7 @@ def build_certificate(state: SuiteState, keyword: str | None = None) -> dict[str
         "command": _command(state, keyword),
         "result": "passed" if passed else "failed",
         "tier_selection": state.tier_choice,
+        "note": state.note,
         "backend": {
             "name": state.backend_name,
             "version": getattr(backend, "version", None),
@@ -241,6 +246,7 @@ def summary_markdown(cert: dict[str, Any]) -> str:
         + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else "")
         + (f", ISA {' '.join(host['isa'])}" if host.get("isa") else "")
         + (f" ({host['note']})" if host.get("note") else ""),
+        *([f"- note: {cert['note']}"] if cert.get("note") else []),
         "",
         "| tier | status | passed | failed | skipped | seconds |",
         "|---|---|---|---|---|---|",
@@ -266,17 +272,21 @@ def summary_markdown(cert: dict[str, Any]) -> str:
     if quant:
         lines += [
             "",
-            "Quantized GEMM: errors against the fp64 product with the dequantized weight, before the "
-            "int8 activation-rounding allowance, and the largest share of its allowance an element used "
-            "(gated: only error beyond it). Bytes the prepared weight holds per byte of GGUF blocks "
-            "(not gated; a dense fp32 copy holds 3.76 for q8_0, 6.4 for q4_1).",
+            "Quantized GEMM: the activation rounding each output matched (the oracle models none, int16, "
+            "int8 and int8 with an fp16 scale exactly), the worst relative error against that rounding's "
+            "fp64 product with the dequantized weight, and the largest rounding-tie allowance (one "
+            "quantum on activations within fp32 rounding of a half-way point; relative to the output). "
+            "Bytes the prepared weight holds per byte of GGUF blocks (not gated; a dense fp32 copy holds "
+            "3.76 for q8_0, 6.4 for q4_1).",
             "",
-            "| format | cases | worst raw relative error | allowance used | prepared / block bytes | prepared as |",
-            "|---|---|---|---|---|---|",
+            "| format | cases | activation rounding | worst relative error | tie allowance | "
+            "prepared / block bytes | prepared as |",
+            "|---|---|---|---|---|---|---|",
         ]
         for fmt, q in quant.items():
             lines.append(
-                f"| {fmt} | {q['cases']} | {q['max_raw_rel']:.2e} | {q['max_allowance_used']:.0%} | "
+                f"| {fmt} | {q['cases']} | {', '.join(q['activation_roundings'])} | {q['max_raw_rel']:.2e} | "
+                f"{q['max_tie_allowance_rel']:.1e} | "
                 f"{q['prepared_per_block_byte']:.2f} | {', '.join(q['prepared_formats'])} |"
             )
     perf = cert["perf"]
@@ -307,7 +317,7 @@ def _coverage_lines(cov: dict[str, Any]) -> list[str]:
     """What the passed cases exercised: capability values, shapes and path classes."""
     if not cov:
         return []
-    lines = ["", "Exercised by passed cases (what \"passed\" covers):", ""]
+    lines = ["", 'Exercised by passed cases (what "passed" covers):', ""]
     for key in (
         "dtype_pairs",
         "head_sizes",

@@ -20,6 +20,7 @@ def suite_args(
     report: str | Path | None = None,
     keyword: str | None = None,
     extra: list[str] | None = None,
+    note: str | None = None,
 ) -> list[str]:
     """The pytest arguments of one conformance run (also what tests pass to ``pytester``)."""
     args = [
@@ -40,6 +41,8 @@ def suite_args(
         args += [f"--plinth-report={report}", f"--junitxml={report / 'junit.xml'}"]
     if keyword:
         args += ["-k", keyword]
+    if note:
+        args.append(f"--plinth-note={note}")
     return args + list(extra or [])
 
 
@@ -62,7 +65,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     # With -k a single case is usually asked for: look for it in every tier unless told otherwise.
     tier = args.tier or ("all" if args.keyword else "extended")
     extra = (["-x"] if args.exitfirst else []) + list(args.pytest_args or [])
-    return int(pytest.main(suite_args(args.backend, tier, args.report, args.keyword, extra)))
+    return int(pytest.main(suite_args(args.backend, tier, args.report, args.keyword, extra, args.note)))
 
 
 def cmd_plugin_new(args: argparse.Namespace) -> int:
@@ -94,6 +97,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     conf.add_argument("--report", default=None, metavar="DIR", help="JUnit XML, certificate.json, summary.md")
     conf.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="only cases matching (pytest -k)")
+    conf.add_argument(
+        "--note", default=None, metavar="TEXT", help="a sentence for the certificate (e.g. why a tier was not run)"
+    )
     conf.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     conf.add_argument("--matrix", action="store_true", help="build the support matrix from certificates")
     conf.add_argument("--certs", default="docs/certificates", metavar="DIR", help="certificates for --matrix")

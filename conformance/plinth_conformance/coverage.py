@@ -38,6 +38,7 @@ from plinth_conformance.cases import (
     MANDATORY_BLOCK_SIZE,
     MANDATORY_DTYPE,
     AttentionCase,
+    EngineCase,
     GemmCase,
     KVWriteCase,
     OpsCase,
@@ -326,6 +327,12 @@ def path_tags(case: Any) -> list[str]:
             tags.append("determinism")
     elif isinstance(case, KVWriteCase):
         tags.append(f"kv-write-{case.layout}")
+    elif isinstance(case, EngineCase):
+        tags.append("engine-context-dependent" if case.model.startswith("induction") else "engine-random-model")
+        if case.check == "forks-and-prefix-hits":
+            tags += ["engine-forks-copy-blocks", "engine-prefix-cache-hit"]
+        if case.model.endswith("-sw"):
+            tags.append("engine-sliding-window")
     elif isinstance(case, OpsCase):
         tags.append(
             f"ops-{case.op}"

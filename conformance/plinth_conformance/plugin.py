@@ -39,6 +39,7 @@ class SuiteState:
     backend_name: str | None
     tier_choice: str
     report_dir: Path | None
+    note: str | None = None  # --note: carried by the certificate (e.g. why a tier was not run)
     host: Any = None  # plinth.platform.host.PluginHost
     status: Any = None  # plinth.platform.host.BackendStatus
     error: str | None = None
@@ -79,6 +80,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="core; extended (= core + extended); perf; all (default: extended)",
     )
     group.addoption("--plinth-report", default=None, metavar="DIR", help="write certificate.json and summary.md")
+    group.addoption("--plinth-note", default=None, metavar="TEXT", help="a sentence the certificate carries")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -89,6 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
         backend_name=config.getoption("plinth_backend"),
         tier_choice=config.getoption("plinth_tier"),
         report_dir=Path(report) if report else None,
+        note=config.getoption("plinth_note"),
     )
     config.stash[STATE_KEY] = state
     if not state.active:

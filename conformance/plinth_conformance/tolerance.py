@@ -169,8 +169,9 @@ def compare(
         raw = (o - g).abs()
         metrics["raw_rel"] = float(raw.norm()) / g_norm  # before the allowance
         metrics["allowance_rel"] = float(a.norm()) / g_norm
-        # the largest share of its allowance an element used (0: exact; above 1: beyond it)
-        metrics["allowance_used"] = float((raw / a.clamp_min(torch.finfo(torch.float64).tiny)).max())
+        # the largest share of its allowance an element that has one used (0: exact; above 1: beyond it)
+        given = a > 0  # (elements without an allowance are gated as they are)
+        metrics["allowance_used"] = float((raw[given] / a[given]).max()) if bool(given.any()) else 0.0
     return Verdict(not reasons, reasons, metrics, worst_index=int(err.flatten().argmax()))
 
 

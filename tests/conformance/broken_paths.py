@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-from plinth_broken_backends import _Broken, _fields, _Plugin  # the copy of broken_backends.py
+from plinth_broken_backends import _BlockGemm, _Broken, _fields, _Plugin  # the copy of broken_backends.py
 
 from plinth.platform.backend import (
     AttentionMetadata,
@@ -218,6 +218,57 @@ class _Featured(_Broken):
         )
 
 
+# -- 8: engine models that depend on attention -------------------------------------------------------
+
+
+class _ZeroAttention(_Dense):
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float):  # noqa: ANN201
+        return torch.zeros_like(query)  # the bug: attention contributes nothing
+
+
+class _NoCausalMask(_Dense):
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+               cap: float | None) -> torch.Tensor:  # fmt: skip
+        return super().attend(q, k, v, torch.ones_like(allowed), scale, cap)  # the bug: every key of the sequence
+
+
+class _WindowOneShort(_Dense):
+    def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+        return q_pos - k_pos < window - 1  # the bug: the oldest key of the window dropped
+
+
+# -- 9: quantized activation rounding --------------------------------------------------------------
+
+
+class _TruncatesActivations(_BlockGemm):
+    """int8 per 32-block like llama.cpp, but rounded toward zero: inside the worst-case allowance."""
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        xb = x.float().reshape(m, k // 32, 32)
+        d = xb.abs().amax(-1, keepdim=True) / 127.0
+        q = torch.where(d > 0, xb / d, torch.zeros_like(xb)).trunc()  # the bug: trunc, not round
+        return (q * d).reshape(m, k)
+
+
+class _Int8Per64(_BlockGemm):
+    """int8 activations with one scale per 64 values (a block size the format does not use)."""
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        xb = x.float().reshape(m, k // 64, 64)
+        d = xb.abs().amax(-1, keepdim=True) / 127.0
+        q = torch.where(d > 0, xb / d, torch.zeros_like(xb)).round()
+        return (q * d).reshape(m, k)
+
+
+class _QuantizedBroken(_Broken):
+    api_version = (1, 1)
+
+    def declare(self) -> Capabilities:
+        return Capabilities(**{**_fields(super().declare()), "quant_formats": frozenset({"q4_1", "q8_0"})})
+
+
 def _backend(name: str, base: type[_Broken], **attrs: object) -> type[_Broken]:
     return type(name, (base,), {"name": name, **attrs})
 
@@ -270,6 +321,11 @@ BACKENDS: list[type[_Broken]] = [
     _backend("broken_cap_decode", _Featured, attention_cls=_NoCapInDecode),
     _backend("broken_value_strides", _Broken, attention_cls=_ValueUsesKeyStrides),
     RotaryBackend,
+    _backend("broken_zero_attention", _Broken, attention_cls=_ZeroAttention),
+    _backend("broken_no_causal_mask", _Broken, attention_cls=_NoCausalMask),
+    _backend("broken_window_one_short", _Featured, attention_cls=_WindowOneShort),
+    _backend("broken_truncates_activations", _QuantizedBroken, gemm_cls=_TruncatesActivations),
+    _backend("broken_int8_per_64", _QuantizedBroken, gemm_cls=_Int8Per64),
 ]
 #: entry-point attribute name -> plugin object (``broken_x`` registers as ``x``)
 PLUGINS = {cls.name.removeprefix("broken_"): _Plugin(cls) for cls in BACKENDS}

@@ -15,7 +15,13 @@ from plinth.platform.reference import ReferenceBackend
 from plinth_conformance.cases import attention_cases, case_seed, gemm_cases, ops_cases, quant_cases, undeclared_cases
 from plinth_conformance.matrix import render_matrix
 from plinth_conformance.paged import build_batch, golden_attention
-from plinth_conformance.quantized import activation_rounding_allowance, random_activations, random_weight
+from plinth_conformance.quantized import (
+    activation_rounding_allowance,
+    random_activations,
+    random_weight,
+    round_activations,
+    tie_allowance,
+)
 from plinth_conformance.tolerance import bits, compare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +81,7 @@ def test_quantized_cases_follow_the_declared_formats() -> None:
     assert {c.fmt for c in real} == {"q4_1", "q8_0"}
     assert [c.id for c in cases if c.skip] == ["quant-q5_k-unknown"]  # listed and skipped, with the reason
     core = {c.id for c in real if c.tier == "core"}
-    assert core == {"quant-q4_1-f32-1x576x197-bias", "quant-q8_0-f32-1x576x197-bias"}
+    assert core == {f"quant-{f}-f32-{m}x576x197-bias" for f in ("q4_1", "q8_0") for m in (1, 7, 37)}  # M > 1 too
     assert {c.m for c in real} >= {1, 5, 17, 33} and all(c.k % 32 == 0 and c.n % 8 for c in real)
     assert {c.bias for c in real} == {True, False} and "quant-q4_1-bf16-5x576x197-bias" in {c.id for c in real}
     (none,) = quant_cases(NOTHING, "float32")
@@ -192,3 +198,52 @@ def test_every_declared_value_and_path_class_is_generated() -> None:
     assert any(s.startswith("1000x") for s in cov["gemm_shapes"])
     bare = coverage.covered([], caps)  # nothing passed: everything declared is listed as not exercised
     assert bare["declared_not_exercised"]["head_sizes"] == sorted(caps.head_sizes)
+
+
+def test_the_int8_oracle_is_the_cpu_kernels_rounding() -> None:
+    """``round_activations(x, "int8")`` gives the values the cpu backend's int8 GEMMs multiply, bit
+    for bit except where the tie allowance covers a rounding either way (suite 1.3's exact oracle)."""
+    native = pytest.importorskip("plinth_cpu.native").native()
+    if native is None:
+        pytest.skip("the cpu backend's native kernels are not built")
+    gen = torch.Generator().manual_seed(3)
+    x = random_activations(37, 576, torch.float32, gen)
+    mine, theirs = round_activations(x, "int8"), native.round_trip_q8(x.contiguous())
+    differ = mine != theirs
+    w = torch.ones(1, 576)
+    ties = tie_allowance(x, w, "int8")  # [37, 1]: sum of one quantum over each row's near-ties
+    assert int(differ.sum()) <= 2, int(differ.sum())
+    for row in differ.any(1).nonzero().flatten().tolist():
+        assert float(ties[row, 0]) > 0, row  # every difference sits on a near-tie the allowance covers
+    assert float(ties.sum()) < 1e-3 * float(x.abs().sum())  # near-ties are rare
+
+
+@pytest.mark.parametrize("scheme", ["none", "int16", "int8", "int8-f16-scale"])
+def test_round_activations_stays_on_its_grid(scheme: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = random_activations(5, 256, torch.float32, gen)
+    r = round_activations(x, scheme)
+    assert r.shape == x.shape and bool(r[0, 32:64].eq(0).all())  # the all-zero block stays 0, no NaN
+    err = (r - x).reshape(5, -1, 32).abs().amax(-1) / x.reshape(5, -1, 32).abs().amax(-1).clamp_min(1e-30)
+    bound = {"none": 0.0, "int16": 0.5 / 32767, "int8": 0.5 / 127, "int8-f16-scale": 0.5 / 127 + 1e-3}[scheme]
+    assert float(err.max()) <= bound * (1 + 1e-5), float(err.max())
+    with pytest.raises(ValueError, match="unknown activation rounding 'int4'"):
+        round_activations(x, "int4")
+
+
+def test_induction_prompts_and_their_continuation() -> None:
+    from plinth_conformance import induction
+
+    prompt = induction.cyclic_prompt(7, 5, 12)
+    cycle = prompt[1:6]
+    assert len(prompt) == 12 and len(set(cycle)) == 5 and prompt[0] not in cycle
+    assert prompt[1:] == (cycle * 3)[:11]
+    assert induction.continuation(prompt, 5, 7) == (cycle * 4)[11 : 11 + 7]
+    assert all(induction.FIRST_CODED <= t < induction.FIRST_CODED + induction.NUM_CODED for t in prompt)
+    with pytest.raises(ValueError, match="period must be in 1..63"):
+        induction.cyclic_prompt(0, 64, 100)
+    codes = induction.codes()
+    gram = codes @ codes.t()
+    assert set(gram.unique().tolist()) == {-32.0, 0.0, 32.0}  # orthogonal or opposite
+    # layer 1's previous-token head: the previous key beats every other one by PREV_MARGIN nats
+    assert induction.prev_token_margin() > 1.5

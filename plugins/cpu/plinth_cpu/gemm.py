@@ -123,8 +123,11 @@ class NativeGemm(CpuGemm):
                             format=PANELS, data={"panels": panels})  # fmt: skip
 
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
-        """Keep q4_1/q8_0 blocks as they are (the bias in fp32); other formats are dequantized."""
-        if weight.format not in QUANT_FORMATS:
+        """Keep q4_1/q8_0 blocks as they are (the bias in fp32); other formats are dequantized.
+
+        float64 dequantizes too (exactly: the blocks' values are fp32 numbers): the native kernels
+        multiply and accumulate in fp32, an fp32 result in a float64 GEMM (conformance 1.3 found it)."""
+        if weight.format not in QUANT_FORMATS or self.dtype == torch.float64:
             return super().prepare_quantized(weight, bias)
         b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
         return LinearWeight(
