@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from plinth_conformance.plugin import SuiteState
 
 #: Environment variables that mean kernels run in an interpreter, not compiled for the device.
-INTERPRETER_ENV: dict[str, str] = {"TRITON_INTERPRET": "1", "PLINTH_INTERPRET": "1"}
+INTERPRETER_ENV: dict[str, str] = {"TRITON_INTERPRET": "1", "PLINTH_INTERPRET": "1", "PLINTH_TPU_INTERPRET": "1"}
 
 
 def cpu_model() -> str:

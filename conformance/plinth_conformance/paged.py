@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from plinth.platform.backend import AttentionMetadata, AttentionSpec, KVCacheLayout, torch_dtype
+from plinth.platform.backend import AttentionMetadata, AttentionSpec, KVCacheLayout, canonical_kv_view, torch_dtype
 
 #: kv lengths of the ``long-decode`` kind: 16 sequences from one to three thousand keys, on both
 #: sides of the powers of two where kernels switch to split-K / multi-partition paths.
@@ -66,9 +66,20 @@ CANONICAL_DIMS: tuple[str, ...] = ("kv", "num_blocks", "block_size", "num_kv_hea
 SPARE_PAGES = 3
 
 
-def canonical_view(cache: torch.Tensor, layout: KVCacheLayout) -> torch.Tensor:
-    """A ``[2, num_blocks, block_size, Hkv, D]`` view of ``cache`` stored in ``layout``."""
-    return cache.permute([layout.dims.index(d) for d in CANONICAL_DIMS])
+def canonical_view(cache: torch.Tensor, layout: KVCacheLayout, spec: AttentionSpec | None = None) -> torch.Tensor:
+    """A ``[2, num_blocks, block_size, Hkv, D]`` view of ``cache`` stored in ``layout``
+    (:func:`plinth.platform.backend.canonical_kv_view`; an interleaved layout needs ``spec``)."""
+    if not layout.interleaved:
+        return cache.permute([layout.dims.index(d) for d in CANONICAL_DIMS])
+    if spec is None:
+        raise ValueError(f"an interleaved KV layout {layout.dims} needs the attention spec to be viewed")
+    return canonical_kv_view(cache, layout, spec.num_kv_heads, spec.head_size)
+
+
+def zero_padding_features(cache: torch.Tensor, layout: KVCacheLayout, spec: AttentionSpec) -> None:
+    """Zero the physical head size's padding features (the contract says they hold zeros)."""
+    if layout.physical_head_size(spec.head_size) != spec.head_size:
+        canonical_kv_view(cache, layout, spec.num_kv_heads, spec.head_size, physical=True)[..., spec.head_size :] = 0
 
 
 def long_length(block_size: int) -> int:
@@ -199,7 +210,8 @@ def fill_cache(cache: torch.Tensor, layout: KVCacheLayout, batch: PagedBatch) ->
         cache.copy_(host)
         return
     cache.fill_(float("nan"))
-    view = canonical_view(cache, layout)  # [2, NB, B, Hkv, D]
+    zero_padding_features(cache, layout, batch.spec)
+    view = canonical_view(cache, layout, batch.spec)  # [2, NB, B, Hkv, D]
     block = batch.spec.block_size
     for pages, k, v in zip(batch.pages, batch.keys, batch.values, strict=True):
         pos = torch.arange(k.shape[0])

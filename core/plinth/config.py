@@ -38,6 +38,9 @@ class EngineConfig:
     - ``num_threads`` (>= 1): host threads for the backend's kernels (``DeviceServices.set_num_threads``).
     - ``enforce_eager``: run every step eagerly; False: replay decode steps from step graphs where
       the backend can.
+    - ``compile_cache_dir``: where a backend that compiles whole steps (API 1.5) keeps its compiled
+      executables across processes; None: ``$PLINTH_COMPILE_CACHE``, else ``~/.cache/plinth/compile``;
+      ``""``: no disk cache.
     - ``quantization``: "auto" keeps a checkpoint's quantized weights where the backend multiplies
       them natively; "none" dequantizes everything to dtype; "int8" also quantizes floating-point
       linear weights to q8_0.
@@ -59,6 +62,7 @@ class EngineConfig:
     allow_pickle: bool = False
     num_threads: int | None = None
     enforce_eager: bool = False
+    compile_cache_dir: str | None = None
     quantization: Literal["auto", "none", "int8"] = "auto"
 
     def __post_init__(self) -> None:
@@ -82,7 +86,21 @@ class EngineConfig:
             "allow_pickle": check_bool(owner, "allow_pickle", self.allow_pickle),
             "num_threads": check_int(owner, "num_threads", self.num_threads, optional=True, ge=1),
             "enforce_eager": check_bool(owner, "enforce_eager", self.enforce_eager),
+            "compile_cache_dir": check_str(owner, "compile_cache_dir", self.compile_cache_dir, optional=True),
             "quantization": check_str(owner, "quantization", self.quantization, choices=QUANTIZATION_CHOICES),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+
+
+def compile_cache_dir(config: EngineConfig) -> str | None:
+    """The directory compiled steps are kept in (see ``EngineConfig.compile_cache_dir``); None: none."""
+    import os
+
+    chosen = config.compile_cache_dir
+    if chosen is None:
+        chosen = os.environ.get("PLINTH_COMPILE_CACHE")
+    if chosen is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        chosen = os.path.join(base, "plinth", "compile")
+    return chosen or None

@@ -32,10 +32,11 @@ The contract objects
 
 - torch-free value objects, :mod:`plinth.platform.values` (re-exported by
   :mod:`plinth.platform.backend`): ``NotSupported``, ``Probe``, ``KVCacheLayout``,
-  ``AttentionSpec``, ``Capabilities``;
+  ``AttentionSpec``, ``Capabilities``, ``StepBuckets``, ``StepShape``;
 - what a backend implements, :mod:`plinth.platform.backend`: ``Backend``, ``DeviceServices``,
   ``AttentionKernels`` (receiving ``AttentionMetadata``), ``GemmKernels`` (returning
-  ``LinearWeight``), ``SmallOps``, ``GraphCapture``, ``StepGraph``, ``KernelProvider``, and the
+  ``LinearWeight``), ``SmallOps``, ``GraphCapture``, ``StepGraph``, ``KernelProvider``, ``StepInputs``,
+  ``StepProgram``, ``CompiledStep``, and the
   helpers ``torch_dtype``/``dtype_name``;
 - quantized weights a GEMM may receive, :mod:`plinth.platform.quant`: ``QuantizedWeight``,
   ``dequantize``;
@@ -76,6 +77,15 @@ API    adds / changes
        (``plinth bench latency``'s bandwidth limit; default torch's ``sum``);
        ``Backend.allocate_kv_cache(..., prefault=)`` (default: zero-filled, so every page is
        touched anyway)
+1.5    static-shape steps: ``Backend.step_buckets`` -> ``StepBuckets`` (``StepShape``); every step
+       padded (``StepInputs``, its padding semantics) and run as the model's pure ``StepProgram``,
+       compiled by ``DeviceServices.compile_step`` into a ``CompiledStep`` (warm-up over every shape,
+       a compilation counter, the KV caches as explicit state); a decode-first order of every step
+       (``AttentionMetadata.distribution``, ``describe``, ``traced``); the fused, functional
+       ``AttentionKernels.attend`` (default: ``write_kv`` then ``forward``), which the model's
+       layers now call; ``KVCacheLayout`` beyond a permutation (interleaved ``kv_heads``,
+       ``packing``, ``head_size_align``, ``block_bytes``, ``canonical_kv_view``; the KV cache is
+       sized from the physical shape)
 =====  ===========================================================================================
 """
 
@@ -93,7 +103,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 4)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 5)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -106,6 +116,9 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 4): "plinth_register_kernels(backend); hooks called through pluggy; KernelProvider.api_version; "
     "torch-free plinth.platform.values; DeviceServices.compile removed; AttentionMetadata.from_lengths, "
     "SmallOps.argmax, DeviceServices.set_num_threads and read_probes, Backend.allocate_kv_cache(prefault=)",
+    (1, 5): "static-shape steps: Backend.step_buckets, StepBuckets, StepShape, StepInputs, StepProgram, "
+    "DeviceServices.compile_step -> CompiledStep; decode-first order (AttentionMetadata.distribution, traced); "
+    "AttentionKernels.attend (fused, functional); KVCacheLayout kv_heads/packing/head_size_align/block_bytes",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.
@@ -117,6 +130,8 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.values.KVCacheLayout",
     "plinth.platform.values.AttentionSpec",
     "plinth.platform.values.Capabilities",
+    "plinth.platform.values.StepBuckets",
+    "plinth.platform.values.StepShape",
     "plinth.platform.backend.Backend",
     "plinth.platform.backend.DeviceServices",
     "plinth.platform.backend.AttentionKernels",
@@ -127,7 +142,11 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.backend.GraphCapture",
     "plinth.platform.backend.StepGraph",
     "plinth.platform.backend.KernelProvider",
+    "plinth.platform.backend.StepInputs",
+    "plinth.platform.backend.StepProgram",
+    "plinth.platform.backend.CompiledStep",
     "plinth.platform.backend.torch_dtype",
+    "plinth.platform.backend.canonical_kv_view",
     "plinth.platform.backend.dtype_name",
     "plinth.platform.quant.QuantizedWeight",
     "plinth.platform.quant.dequantize",

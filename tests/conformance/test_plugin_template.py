@@ -99,3 +99,22 @@ def test_rendered_plugin_installs_and_passes_the_core_tier(tmp_path: Path) -> No
     )
     assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-3000:]
     assert "2 passed" in tests.stdout  # discovered by entry point with its hook, and the core tier passed
+
+
+def test_the_static_shape_variant_declares_buckets_the_engine_accepts(tmp_path: Path) -> None:
+    """``static_shapes=true`` renders a backend with ``step_buckets`` (API 1.5) covering the engine's maxima."""
+    import importlib
+
+    from plinth.platform.backend import StepBuckets
+
+    dest = render_plugin("static_npu", tmp_path, data={"static_shapes": True})
+    plain = render_plugin("plain_npu", tmp_path)
+    assert "def step_buckets" not in (plain / "plinth_plain_npu/backend.py").read_text()
+    sys.path.insert(0, str(dest))
+    try:
+        module = importlib.import_module("plinth_static_npu.backend")
+        buckets = module.StaticNpuBackend().step_buckets(1024, 64, 128)
+    finally:
+        sys.path.remove(str(dest))
+    assert isinstance(buckets, StepBuckets)
+    assert buckets.largest() == (1024, 64, 128) and buckets.tokens[0] == 16 and buckets.blocks_per_seq == (128,)

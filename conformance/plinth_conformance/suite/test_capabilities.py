@@ -50,19 +50,30 @@ def test_mandatory_profile_is_declared(plinth_backend: Backend) -> None:
 
 
 def test_kv_cache_layout(plinth_backend: Backend) -> None:
-    """The layout names each dim once; allocate_kv_cache returns that shape in the KV dtype."""
+    """The layout is a permutation of the canonical dims or an interleaved one (API 1.5: checked when
+    the layout is built); allocate_kv_cache returns its physical shape in the KV dtype, zero-filled
+    (padding features included), and the canonical view of it writes through to distinct elements."""
     caps = plinth_backend.capabilities()
-    dims = caps.kv_cache_layout.dims
-    assert sorted(dims) == sorted(CANONICAL_DIMS), f"[kv-layout] dims {dims} are not a permutation of {CANONICAL_DIMS}"
-    from plinth.platform.backend import AttentionSpec
+    layout = caps.kv_cache_layout
+    if not layout.interleaved:
+        dims = layout.dims
+        assert sorted(dims) == sorted(CANONICAL_DIMS), f"[kv-layout] dims {dims}: not a permutation of {CANONICAL_DIMS}"
+    from plinth.platform.backend import AttentionSpec, canonical_kv_view
 
     for block in [b for b in caps.block_sizes if b <= MAX_TESTED_BLOCK_SIZE]:
         for kv_dtype in sorted(caps.kv_cache_dtypes):
-            spec = AttentionSpec(4, 2, 64, block, MANDATORY_DTYPE, kv_dtype)
+            head = min(caps.head_sizes, key=lambda h: abs(h - 64))
+            spec = AttentionSpec(4, 2, head, block, MANDATORY_DTYPE, kv_dtype)
+            dtype = torch_dtype(kv_dtype)
             cache = plinth_backend.allocate_kv_cache(spec, 3)
-            want = caps.kv_cache_layout.shape(3, block, 2, 64)
+            want = layout.shape(3, block, 2, head, itemsize=dtype.itemsize)
             assert tuple(cache.shape) == want, f"[kv-layout] block {block}: shape {tuple(cache.shape)}, want {want}"
-            assert cache.dtype == torch_dtype(kv_dtype), f"[kv-layout] dtype {cache.dtype}, want {kv_dtype}"
+            assert cache.dtype == dtype, f"[kv-layout] dtype {cache.dtype}, want {kv_dtype}"
+            host = cache.cpu()
+            assert not host.any(), f"[kv-layout] allocate_kv_cache({kv_dtype}) is not zero-filled"
+            view = canonical_kv_view(host, layout, 2, head)  # [2, NB, B, Hkv, D]
+            view.copy_(torch.arange(view.numel(), dtype=torch.float64).reshape(view.shape).to(dtype))
+            assert int(host.ne(0).sum()) == view.numel() - 1, "[kv-layout] the canonical view aliases elements"
 
 
 def _refuses(case_id: str, run: object) -> None:

@@ -36,9 +36,9 @@ def test_copy_blocks(plinth_backend: Backend, copy_blocks_case: CopyBlocksCase) 
         host = torch.randn(tuple(cache.shape), generator=gen).to(torch_dtype(case.kv_dtype))
         cache.copy_(host)
         want = host.clone()
-        view = canonical_view(want, layout)  # [2, NB, B, Hkv, D]
+        view = canonical_view(want, layout, spec)  # [2, NB, B, Hkv, D]
         for src, dst in pairs:
-            view[:, dst] = canonical_view(host, layout)[:, src]
+            view[:, dst] = canonical_view(host, layout, spec)[:, src]
         caches.append(cache)
         expected.append(want)
 
@@ -48,7 +48,7 @@ def test_copy_blocks(plinth_backend: Backend, copy_blocks_case: CopyBlocksCase) 
 
     problems = []
     for layer, (cache, want) in enumerate(zip(caches, expected, strict=True)):
-        differs = canonical_view(bits(cache.cpu()) != bits(want), layout)  # [2, NB, B, Hkv, D]
+        differs = canonical_view(bits(cache.cpu()) != bits(want), layout, spec)  # [2, NB, B, Hkv, D]
         for half, name in ((0, "K"), (1, "V")):
             wrong = differs[half].flatten(1).any(dim=1).nonzero().flatten().tolist()
             targets = [b for b in wrong if b in {d for _, d in pairs}]

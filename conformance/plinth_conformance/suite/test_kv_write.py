@@ -68,7 +68,7 @@ def test_kv_write(plinth_backend: Backend, kv_write_case: KVWriteCase) -> None:
         cache = plinth_backend.allocate_kv_cache(spec, NUM_BLOCKS)
     cache.fill_(float("nan"))
     expected = cache.cpu().clone()
-    canon = canonical_view(expected, layout)  # [2, NB, B, Hkv, D]
+    canon = canonical_view(expected, layout, spec)  # [2, NB, B, Hkv, D]
     real_t = torch.tensor([t for t in range(num_tokens) if t not in pad_at])
     given = torch.tensor(chosen)
     canon[0, given // block, given % block] = key[real_t].to(expected.dtype)
@@ -83,7 +83,7 @@ def test_kv_write(plinth_backend: Backend, kv_write_case: KVWriteCase) -> None:
     assert torch.equal(bits(key), key_bits) and torch.equal(bits(value), value_bits), (
         f"[{case.id}] write_kv() modified its key/value inputs"
     )
-    differs = canonical_view(bits(cache.cpu()) != bits(expected), layout)  # [2, NB, B, Hkv, D]
+    differs = canonical_view(bits(cache.cpu()) != bits(expected), layout, spec)  # [2, NB, B, Hkv, D]
     slot_differs = differs.any(dim=-1).any(dim=-1).any(dim=0).flatten()  # [NB * B]
     wrong = slot_differs.nonzero().flatten().tolist()
     given_set = set(chosen)

@@ -125,7 +125,7 @@ def _check_attention(
     """The timed attention's output against the fp64 golden result over the cache's pages."""
     layout = backend.capabilities().kv_cache_layout
     with one_thread():
-        view = canonical_view(cache.cpu(), layout)  # [2, NB, B, Hkv, D]
+        view = canonical_view(cache.cpu(), layout, spec)  # [2, NB, B, Hkv, D]
         tables = meta.block_tables.long()
         pages = [tables[i, : math.ceil(s / BLOCK)].tolist() for i, s in enumerate(meta.seq_lens_host)]
         keys = [view[0, p].flatten(0, 1)[:s] for p, s in zip(pages, meta.seq_lens_host, strict=True)]
@@ -140,7 +140,7 @@ def _check_kv_write(
     case_id: str, cache: torch.Tensor, spec: AttentionSpec, backend: Backend, key: torch.Tensor
 ) -> None:
     """The timed write left the keys (as K and V) in slots ``0 .. len(key)``, bit for bit."""
-    view = canonical_view(cache.cpu(), backend.capabilities().kv_cache_layout)  # [2, NB, B, Hkv, D]
+    view = canonical_view(cache.cpu(), backend.capabilities().kv_cache_layout, spec)  # [2, NB, B, Hkv, D]
     written = view[:, : key.shape[0] // BLOCK].flatten(1, 2)  # [2, T, Hkv, D]
     for half, name in ((0, "K"), (1, "V")):
         wrong = (bits(written[half]) != bits(key.cpu())).flatten(1).any(dim=1).nonzero().flatten().tolist()

@@ -184,9 +184,10 @@ class Attention(nn.Module):
         k = self.rotary.forward(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
         # v stays a strided view of qkv (write_kv takes any strides): no copy
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        kv_cache = ctx.kv_caches[self.layer_idx]
-        self.attn_kernels.write_kv(k.contiguous(), v, kv_cache, ctx.attn.slot_mapping)
-        out = self.attn_kernels.forward(q.contiguous(), kv_cache, ctx.attn, self.scale)  # [T, H, D]
+        # the fused entry (API 1.5): writes K/V and attends; a functional backend returns a new cache
+        out, ctx.kv_caches[self.layer_idx] = self.attn_kernels.attend(
+            q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn, self.scale
+        )  # [T, H, D]
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
 

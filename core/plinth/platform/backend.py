@@ -11,7 +11,7 @@ here carries ``versionadded`` for itself and for each member added after it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -22,14 +22,24 @@ from plinth.platform.quant import QuantizedWeight, dequantize
 
 # The torch-free value objects live in plinth.platform.values (discovery imports them without
 # torch); re-exported here because plugins have always imported them from this module.
-from plinth.platform.values import AttentionSpec, Capabilities, KVCacheLayout, NotSupported, Probe
+from plinth.platform.values import (
+    AttentionSpec,
+    Capabilities,
+    KVCacheLayout,
+    NotSupported,
+    Probe,
+    StepBuckets,
+    StepShape,
+)
 
 __all__ = [
     "AttentionKernels",
     "AttentionMetadata",
     "AttentionSpec",
     "Backend",
+    "CANONICAL_KV_DIMS",
     "Capabilities",
+    "CompiledStep",
     "DeviceServices",
     "GemmKernels",
     "GraphCapture",
@@ -39,7 +49,12 @@ __all__ = [
     "NotSupported",
     "Probe",
     "SmallOps",
+    "StepBuckets",
     "StepGraph",
+    "StepInputs",
+    "StepProgram",
+    "StepShape",
+    "canonical_kv_view",
     "dtype_name",
     "torch_dtype",
 ]
@@ -74,6 +89,37 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported torch dtype {dtype}")
 
 
+#: The canonical order of a KV cache's dims: what :func:`canonical_kv_view` returns.
+CANONICAL_KV_DIMS: tuple[str, ...] = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
+
+
+def canonical_kv_view(
+    cache: torch.Tensor, layout: KVCacheLayout, num_kv_heads: int, head_size: int, *, physical: bool = False
+) -> torch.Tensor:
+    """A ``[2, num_blocks, block_size, num_kv_heads, head_size]`` view of ``cache`` stored in ``layout``.
+
+    Writing the view writes the cache (it is never a copy: a layout whose dims cannot be viewed so
+    raises). For interleaved layouts the combined heads are split back into K and V, a packed
+    ``packing`` dim merged back, and the head size cut to the model's (``physical=True``: the
+    physical size, padding features included, which must hold zeros).
+
+    .. versionadded:: 1.5
+    """
+    if not layout.interleaved:
+        view = cache.permute([layout.dims.index(d) for d in CANONICAL_KV_DIMS])
+    else:
+        order = [d for d in ("num_blocks", "block_size", "kv_heads", "packing", "head_size") if d in layout.dims]
+        v = cache.permute([layout.dims.index(d) for d in order])
+        nb, bs, dp = v.shape[0], v.shape[1], v.shape[-1]
+        try:
+            view = v.view(nb, bs, num_kv_heads, 2, dp).permute(3, 0, 1, 2, 4)
+        except RuntimeError as e:  # the dims to merge are not adjacent in memory: no view exists
+            raise ValueError(
+                f"KV cache layout {layout.dims}: the cache {tuple(cache.shape)} has no canonical view ({e})"
+            ) from None
+    return view if physical else view[..., :head_size]
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """The varlen batch one attention call serves: any mix of prefill chunks and decodes.
@@ -95,11 +141,50 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_host: list[int]  # host copies, so a kernel never syncs to read them
     seq_lens_host: list[int]
+    #: ``[3]`` int32, cumulative ends ``(d, d + p, n)``: sequences ``[0, d)`` are decodes (one query
+    #: token), ``[d, d + p)`` prefills from position 0, ``[d + p, n)`` any other chunk (after cached
+    #: context), and ``[n, B)`` padding (length 0). The runner orders every step decode-first, so a
+    #: kernel may run one pass per kind; a batch in another order is described as all general
+    #: (``d = p = 0``), which is always correct. None only where built without :meth:`from_lengths`.
+    #:
+    #: .. versionadded:: 1.5
+    distribution: torch.Tensor | None = None
+    #: The host copy of :attr:`distribution` (empty when ``traced``).
+    #:
+    #: .. versionadded:: 1.5
+    distribution_host: tuple[int, ...] = ()
+    #: True inside a compiled static-shape step (:meth:`DeviceServices.compile_step`): the tensors
+    #: are traced values, the host lists are empty, and ``max_query_len``/``max_seq_len`` are the
+    #: bucket's bounds (T and W * block_size), not the step's.
+    #:
+    #: .. versionadded:: 1.5
+    traced: bool = False
 
     @property
     def num_seqs(self) -> int:
-        """B, the number of sequences."""
-        return len(self.seq_lens_host)
+        """B, the number of sequences (padding sequences included in a padded step).
+
+        .. versionchanged:: 1.5
+           read from ``seq_lens`` (a traced step has no host lists).
+        """
+        return int(self.seq_lens.shape[0])
+
+    @staticmethod
+    def describe(query_lens: list[int], seq_lens: list[int]) -> tuple[int, int, int]:
+        """The :attr:`distribution` of a batch: ``(d, d + p, n)`` (see there).
+
+        .. versionadded:: 1.5
+        """
+        n = len(seq_lens)
+        while n and seq_lens[n - 1] == 0:
+            n -= 1
+        d = 0
+        while d < n and query_lens[d] == 1:
+            d += 1
+        p = d
+        while p < n and query_lens[p] == seq_lens[p]:
+            p += 1
+        return d, p, n
 
     @classmethod
     def from_lengths(
@@ -118,6 +203,8 @@ class AttentionMetadata:
         ``seq_lens[i]`` tokens: the one way to build one (API 1.4).
 
         .. versionadded:: 1.4
+        .. versionchanged:: 1.5
+           sets :attr:`distribution`.
 
         :param query_lens: new tokens per sequence (host ints).
         :param seq_lens: kv tokens per sequence: host ints, or an int32 tensor used as it is (a
@@ -156,6 +243,7 @@ class AttentionMetadata:
             seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
             blocks = block_tables.to(HOST)[seq_of_token, positions // block_size].long()
             slot_mapping = blocks * block_size + positions % block_size
+        distribution = cls.describe(query_lens, seq_lens_host)
         return cls(
             query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
             seq_lens=seq_lens_t,
@@ -165,6 +253,8 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens_host) if max_seq_len is None else max_seq_len,
             query_lens_host=query_lens,
             seq_lens_host=seq_lens_host,
+            distribution=torch.tensor(distribution, dtype=torch.int32, device=device),
+            distribution_host=distribution,
         )
 
 
@@ -191,8 +281,33 @@ class AttentionKernels(ABC):
     ) -> torch.Tensor:
         """Paged attention: ``query`` [T, H, D] -> output [T, H, D] over the cached K/V."""
 
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused, functional entry: store ``key``/``value`` ([T, Hkv, D], any strides) at
+        ``meta.slot_mapping`` and attend ``query`` ([T, H, D]) over the cache; returns
+        ``(output [T, H, D], kv_cache)``.
+
+        The model's attention layers call this, and keep the cache it returns as the layer's cache:
+        a device whose arrays are immutable returns a new cache (and may fuse the write into the
+        attention kernel); the default writes in place with :meth:`write_kv`, then runs
+        :meth:`forward`, and returns ``kv_cache`` itself.
+
+        .. versionadded:: 1.5
+        """
+        self.write_kv(key.contiguous(), value, kv_cache, meta.slot_mapping)
+        return self.forward(query.contiguous(), kv_cache, meta, scale), kv_cache
+
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer's cache (copy-on-write of shared blocks)."""
+        """Copy whole blocks ``src -> dst`` in every layer's cache (copy-on-write of shared blocks).
+
+        A backend with immutable caches replaces the list's entries with the copied caches."""
         if not pairs:
             return
         axis = self.layout.dims.index("num_blocks")
@@ -349,6 +464,136 @@ class GraphCapture(ABC):
         """Stop recording and discard it."""
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """The padded inputs of one static-shape step (shape ``(T, B, W)``, a :class:`StepShape`).
+
+    The runner fills them from the scheduled batch, decode-first (see
+    :attr:`AttentionMetadata.distribution`), and pads them with these semantics:
+
+    * tokens past the real ones have id 0, position 0 and slot -1: they write no K/V, belong to no
+      sequence, and their outputs are dropped (an attention kernel leaves any finite value there);
+    * sequences past the real ones have length 0 and no query tokens (their ``query_start_loc``
+      entries repeat the real token count), a block-table row of block 0 (the null block), and a
+      logits index of 0 whose logits are dropped;
+    * every block-table row is ``W`` wide; entries past a sequence's blocks are 0.
+
+    All tensors are on the host; a compiled step moves them to its device.
+
+    .. versionadded:: 1.5
+    """
+
+    input_ids: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32
+    slot_mapping: torch.Tensor  # [T] int32; -1: padding
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32; 0: padding
+    block_tables: torch.Tensor  # [B, W] int32
+    distribution: torch.Tensor  # [3] int32, as AttentionMetadata.distribution
+    logits_indices: torch.Tensor  # [B] int32: the index into T of each sequence's last token
+    #: The shape these tensors are padded to.
+    shape: StepShape
+    #: The real (unpadded) counts: tokens and sequences.
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by name (what a compiled step takes as its input arrays)."""
+        return {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "slot_mapping": self.slot_mapping,
+            "query_start_loc": self.query_start_loc,
+            "seq_lens": self.seq_lens,
+            "block_tables": self.block_tables,
+            "distribution": self.distribution,
+            "logits_indices": self.logits_indices,
+        }
+
+    @classmethod
+    def dummy(cls, shape: StepShape) -> StepInputs:
+        """Inputs of ``shape`` that are all padding but one decode token of sequence 0 (a warm-up
+        step: compiles the shape, writes nothing)."""
+        t, b, w = shape
+        return cls(
+            input_ids=torch.zeros(t, dtype=torch.int32),
+            positions=torch.zeros(t, dtype=torch.int32),
+            slot_mapping=torch.full((t,), -1, dtype=torch.int32),
+            query_start_loc=torch.tensor([0] + [1] * b, dtype=torch.int32),
+            seq_lens=torch.tensor([1] + [0] * (b - 1), dtype=torch.int32),
+            block_tables=torch.zeros(b, w, dtype=torch.int32),
+            distribution=torch.tensor([1, 1, 1], dtype=torch.int32),
+            logits_indices=torch.zeros(b, dtype=torch.int32),
+            shape=shape,
+            num_tokens=1,
+            num_seqs=1,
+        )
+
+
+class StepProgram(ABC):
+    """A model's whole step as a pure function of its weights, KV caches and padded inputs.
+
+    The core builds it from the loaded model; a compiled backend traces :meth:`__call__` (with its
+    own array types standing in for the tensors) and compiles it once per :class:`StepShape`. No
+    state outside the arguments is read or written: the step's K/V writes come back in the
+    returned caches.
+
+    .. versionadded:: 1.5
+    """
+
+    #: Every tensor the forward reads, by a stable name (the arguments the compiled function takes).
+    weights: dict[str, torch.Tensor]
+    #: The vocabulary size (the logits' last dim) and the hidden size.
+    vocab_size: int
+    hidden_size: int
+
+    @abstractmethod
+    def __call__(
+        self,
+        weights: dict[str, torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        inputs: dict[str, torch.Tensor],
+        shape: StepShape,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(logits [B, vocab] float32, kv_caches)`` of the step whose padded ``inputs`` (by the
+        names of :meth:`StepInputs.tensors`) have ``shape``; row ``i`` of the logits is sequence
+        ``i``'s last token (padding sequences' rows are dropped)."""
+
+
+class CompiledStep(ABC):
+    """A :class:`StepProgram` compiled for a set of shapes, holding the KV caches as explicit state.
+
+    From :meth:`DeviceServices.compile_step`. It owns the caches from then on (as device arrays):
+    the runner calls :meth:`run` for every step, and :meth:`copy_blocks` for copy-on-write.
+
+    .. versionadded:: 1.5
+    """
+
+    #: Compilations so far (one per shape, warm-up included; a cache hit from disk counts too: it
+    #: is a trace). The engine records the count after warm-up and logs loudly when it moves.
+    compilations: int = 0
+
+    @abstractmethod
+    def warmup(
+        self, shapes: Sequence[StepShape], progress: Callable[[int, int, StepShape], None] | None = None
+    ) -> None:
+        """Compile every shape (ahead of the first request), calling ``progress(done, total, shape)``
+        after each; must leave the KV caches as they were."""
+
+    @abstractmethod
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one step; the logits ``[B, vocab]`` float32 on the host (B: the padded count)."""
+
+    @abstractmethod
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer's cache."""
+
+    @abstractmethod
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The caches as host tensors in the declared layout (a copy where the device needs one):
+        for tests and debugging, never called in the step loop."""
+
+
 class DeviceServices:
     """Device-level services: where tensors live, how much memory is free, step graphs.
 
@@ -409,6 +654,26 @@ class DeviceServices:
         """
         return {"torch_sum": torch.Tensor.sum}
 
+    def compile_step(
+        self,
+        program: StepProgram,
+        kv_caches: list[torch.Tensor],
+        *,
+        cache_dir: str | None = None,
+    ) -> CompiledStep | None:
+        """Compile ``program`` into a :class:`CompiledStep` that takes over ``kv_caches`` (the
+        engine's, from :meth:`Backend.allocate_kv_cache`); None (the default) where the backend does
+        not compile whole steps (the runner then runs the program eagerly on the padded inputs).
+
+        Asked only of a backend whose :meth:`Backend.step_buckets` returns buckets; the engine then
+        calls :meth:`CompiledStep.warmup` with every shape before serving. ``cache_dir`` is where
+        compiled executables may be kept across processes (``EngineConfig.compile_cache_dir``);
+        None: no disk cache.
+
+        .. versionadded:: 1.5
+        """
+        return None
+
     def begin_graph_capture(self) -> GraphCapture | None:
         """Start recording kernel calls into a :class:`StepGraph`; None (the default) where the
         backend cannot. The runner captures decode steps once per batch-size bucket and replays
@@ -459,6 +724,20 @@ class Backend(ABC):
         """Norm, activation and rotary ops; the default is plain torch."""
         return SmallOps()
 
+    def step_buckets(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> StepBuckets | None:
+        """The shapes to pad every step to, for an engine whose steps have at most ``max_tokens``
+        query tokens, ``max_seqs`` sequences and ``max_blocks_per_seq`` blocks per sequence; None
+        (the default): steps keep their own shapes.
+
+        A static-shape backend (a compiler: XLA, HPU graphs) returns buckets whose largest of each
+        kind holds the maximum (:meth:`StepBuckets.powers_of_two` is one way); the engine refuses
+        buckets that do not. Every step is then padded (:class:`StepInputs`) and run through
+        :meth:`DeviceServices.compile_step`.
+
+        .. versionadded:: 1.5
+        """
+        return None
+
     def allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int, *, prefault: bool = False) -> torch.Tensor:
         """One layer's KV cache, shaped by the declared :class:`KVCacheLayout`, zero-filled.
 
@@ -472,9 +751,10 @@ class Backend(ABC):
            ``prefault``.
         """
         layout = self.capabilities().kv_cache_layout
-        shape = layout.shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        dtype = torch_dtype(spec.kv_cache_dtype)
+        shape = layout.shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, itemsize=dtype.itemsize)
         device = self.device_services().device
-        return torch.zeros(shape, dtype=torch_dtype(spec.kv_cache_dtype), device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KernelProvider(ABC):

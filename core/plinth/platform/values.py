@@ -13,6 +13,7 @@ Each object carries ``versionadded`` for itself and for every member added after
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class NotSupported(Exception):
@@ -53,27 +54,119 @@ class Probe:
     emulation: bool = False
 
 
+#: The dimension names a :class:`KVCacheLayout` may use (API 1.0 and 1.5).
+KV_DIMS: frozenset[str] = frozenset(
+    {"kv", "num_blocks", "block_size", "num_kv_heads", "head_size", "kv_heads", "packing"}
+)
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheLayout:
     """The layout of one layer's KV cache tensor, described by named dimensions.
 
+    Two families of ``dims``:
+
+    * separate K and V (1.0): ``kv`` (2: key, value), ``num_blocks``, ``block_size``,
+      ``num_kv_heads`` and ``head_size``, in any order (the order the tensor stores them);
+    * interleaved K and V (1.5): ``num_blocks``, ``block_size``, ``kv_heads`` and ``head_size``,
+      optionally ``packing``. ``kv_heads`` holds ``2 * num_kv_heads`` combined heads, the key of kv
+      head ``h`` at ``2h`` and its value at ``2h + 1``. With ``packing`` in ``dims`` the combined heads
+      are split as ``[2 * num_kv_heads // p, p]``, ``p = 4 // itemsize`` values of the cache dtype per
+      32-bit word (1 for float32, 2 for bfloat16): the sub-32-bit packing of a TPU's sublanes.
+
+    ``head_size`` is the physical head size: the model's rounded up to a multiple of
+    :attr:`head_size_align` (a device's lane width: 64 or 96 -> 128), the extra features zero.
+    The KV cache is sized from the physical shape (:meth:`shape`, :meth:`block_bytes`).
+
     .. versionadded:: 1.0
+    .. versionchanged:: 1.5
+       interleaved ``kv_heads``, ``packing``, :attr:`head_size_align`, :meth:`block_bytes`.
     """
 
-    #: The names ``kv`` (2: key, value), ``num_blocks``, ``block_size``, ``num_kv_heads`` and
-    #: ``head_size`` in the order the tensor stores them.
+    #: The dimension names in the order the tensor stores them (see the class docstring).
     dims: tuple[str, ...] = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
+    #: The physical head size is the model's rounded up to a multiple of this.
+    #:
+    #: .. versionadded:: 1.5
+    head_size_align: int = 1
 
-    def shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """The tensor shape for the given sizes."""
+    def __post_init__(self) -> None:
+        unknown = [d for d in self.dims if d not in KV_DIMS]
+        if unknown:
+            raise ValueError(f"KV cache layout: unknown dims {unknown}; known: {sorted(KV_DIMS)}")
+        if len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"KV cache layout: a dim is repeated in {self.dims}")
+        common = {"num_blocks", "block_size", "head_size"}
+        separate, interleaved = common | {"kv", "num_kv_heads"}, common | {"kv_heads"}
+        found = set(self.dims)
+        if found not in (separate, interleaved, interleaved | {"packing"}):
+            raise ValueError(
+                f"KV cache layout dims {self.dims}: need {sorted(separate)} (separate K and V) or "
+                f"{sorted(interleaved)} (+ optionally 'packing') (K and V interleaved per head)"
+            )
+        if self.head_size_align < 1:
+            raise ValueError(f"KV cache layout: head_size_align must be >= 1, got {self.head_size_align}")
+
+    @property
+    def interleaved(self) -> bool:
+        """True when K and V are interleaved per head (``kv_heads``), not separate (``kv``).
+
+        .. versionadded:: 1.5
+        """
+        return "kv_heads" in self.dims
+
+    def physical_head_size(self, head_size: int) -> int:
+        """``head_size`` rounded up to :attr:`head_size_align`.
+
+        .. versionadded:: 1.5
+        """
+        align = self.head_size_align
+        return -(-head_size // align) * align
+
+    def packing(self, itemsize: int) -> int:
+        """Values per 32-bit word in the ``packing`` dim for a cache dtype of ``itemsize`` bytes (1
+        when the layout does not pack).
+
+        .. versionadded:: 1.5
+        """
+        if "packing" not in self.dims:
+            return 1
+        if itemsize not in (1, 2, 4):
+            raise ValueError(f"KV cache layout: cannot pack {itemsize}-byte values into 32-bit words")
+        return 4 // itemsize
+
+    def shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, *, itemsize: int = 4
+    ) -> tuple[int, ...]:
+        """The tensor shape for the given sizes (``head_size``: the model's; the shape has the
+        physical one). ``itemsize`` is the cache dtype's size in bytes (only a packed layout needs it).
+
+        .. versionchanged:: 1.5
+           ``itemsize``; the physical head size; interleaved and packed dims.
+        """
+        pack = self.packing(itemsize)
+        if self.interleaved and (2 * num_kv_heads) % pack:
+            raise ValueError(f"KV cache layout: {2 * num_kv_heads} combined K/V heads do not pack by {pack}")
         sizes = {
             "kv": 2,
             "num_blocks": num_blocks,
             "block_size": block_size,
             "num_kv_heads": num_kv_heads,
-            "head_size": head_size,
+            "head_size": self.physical_head_size(head_size),
+            "kv_heads": 2 * num_kv_heads // pack,
+            "packing": pack,
         }
         return tuple(sizes[d] for d in self.dims)
+
+    def block_bytes(self, block_size: int, num_kv_heads: int, head_size: int, itemsize: int) -> int:
+        """Bytes one block of one layer takes in this layout (padding included).
+
+        .. versionadded:: 1.5
+        """
+        n = itemsize
+        for size in self.shape(1, block_size, num_kv_heads, head_size, itemsize=itemsize):
+            n *= size
+        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,3 +246,111 @@ class Capabilities:
         """Raise :class:`NotSupported` unless GEMM in ``dtype`` is declared."""
         if dtype not in self.dtypes:
             raise NotSupported(backend, f"GEMM in {dtype}", f"supported: {sorted(self.dtypes)}")
+
+
+class StepShape(NamedTuple):
+    """One compiled shape of a static-shape step: the padded sizes of its flattened batch.
+
+    .. versionadded:: 1.5
+    """
+
+    #: T: query tokens of the step (every sequence's chunk, concatenated), padded.
+    tokens: int
+    #: B: sequences of the step, padded (padding sequences have length 0).
+    seqs: int
+    #: W: the block table's width (blocks per sequence), padded.
+    blocks_per_seq: int
+
+
+def _bucket_values(name: str, values: tuple[int, ...]) -> tuple[int, ...]:
+    if not values or any(not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"step buckets: {name} must be positive integers, got {values!r}")
+    return tuple(sorted(set(values)))
+
+
+def _powers_of_two(minimum: int, maximum: int) -> tuple[int, ...]:
+    if minimum < 1 or maximum < 1:
+        raise ValueError(f"step buckets: bounds must be >= 1, got {minimum}..{maximum}")
+    out = [minimum]
+    while out[-1] < maximum:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBuckets:
+    """The shapes a static-shape backend compiles its steps for (``Backend.step_buckets``).
+
+    Every step, not only pure decodes, is padded up to the smallest bucket of each kind that holds
+    it: the number of query tokens (T), of sequences (B) and the block table's width (W). A
+    compiled backend then sees only the shapes in :meth:`shapes`, and compiles each once. The
+    padding semantics (what the runner fills the padding with) are in
+    :class:`plinth.platform.backend.StepInputs`.
+
+    .. versionadded:: 1.5
+    """
+
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+    blocks_per_seq: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", _bucket_values("tokens", tuple(self.tokens)))
+        object.__setattr__(self, "seqs", _bucket_values("seqs", tuple(self.seqs)))
+        object.__setattr__(self, "blocks_per_seq", _bucket_values("blocks_per_seq", tuple(self.blocks_per_seq)))
+
+    @classmethod
+    def powers_of_two(
+        cls,
+        *,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        min_tokens: int = 16,
+        min_seqs: int = 1,
+        min_blocks_per_seq: int = 1,
+    ) -> StepBuckets:
+        """Powers of two from each minimum up to the first that holds each maximum."""
+        return cls(
+            tokens=_powers_of_two(min_tokens, max_tokens),
+            seqs=_powers_of_two(min_seqs, max_seqs),
+            blocks_per_seq=_powers_of_two(min_blocks_per_seq, max_blocks_per_seq),
+        )
+
+    @staticmethod
+    def _fit(values: tuple[int, ...], n: int) -> int | None:
+        for v in values:
+            if v >= n:
+                return v
+        return None
+
+    def fit(self, tokens: int, seqs: int, blocks_per_seq: int) -> StepShape | None:
+        """The shape a step of these sizes is padded to; None when one exceeds the largest bucket.
+
+        B never exceeds T (a sequence has at least one query token), so the sequence bucket is
+        also capped by the token bucket when the two lists allow it.
+        """
+        t = self._fit(self.tokens, tokens)
+        b = self._fit(self.seqs, seqs)
+        w = self._fit(self.blocks_per_seq, blocks_per_seq)
+        if t is None or b is None or w is None:
+            return None
+        return StepShape(t, b, w)
+
+    def shapes(self) -> list[StepShape]:
+        """Every shape a step can be padded to, smallest first: each (T, B, W) with B <= T, except
+        that the smallest sequence bucket holding T is kept even above T."""
+        out: list[StepShape] = []
+        for t in self.tokens:
+            seqs = [b for b in self.seqs if b <= t] or [self.seqs[0]]
+            bigger = [b for b in self.seqs if b > t]
+            if seqs[-1] < t and bigger:  # B up to T must fit: keep the bucket that holds B = T
+                seqs.append(bigger[0])
+            for b in seqs:
+                for w in self.blocks_per_seq:
+                    out.append(StepShape(t, b, w))
+        return out
+
+    def largest(self) -> StepShape:
+        """The largest bucket of each kind."""
+        return StepShape(self.tokens[-1], self.seqs[-1], self.blocks_per_seq[-1])

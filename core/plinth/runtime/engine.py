@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plinth.config import EngineConfig
+from plinth.config import EngineConfig, compile_cache_dir
 from plinth.model.context import ModelKernels
 from plinth.model.loader import load_model, load_tokenizer, resolve_model
 from plinth.model.tokenizer import IncrementalDetokenizer
-from plinth.platform.backend import AttentionSpec, Backend, torch_dtype
+from plinth.platform.backend import AttentionSpec, Backend, DeviceServices, StepBuckets, torch_dtype
 from plinth.platform.host import BackendStatus, PluginHost, default_host
 from plinth.platform.kernels import resolve_kernels
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
+from plinth.runtime.static import ModelStepProgram, StaticSteps
 from plinth.sampling_params import SamplingParams
 from plinth.sched.output import EngineFinishes
 from plinth.sched.request import Request, RequestStatus, StopCriteria
@@ -159,7 +160,13 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         graphs = None
-        if not config.enforce_eager:
+        #: the static-shape path (API 1.5), where the backend declares step buckets; else None
+        self.static: StaticSteps | None = None
+        max_blocks_per_seq = -(-self.max_model_len // block_size)
+        buckets = backend.step_buckets(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq)
+        if buckets is not None:
+            self.static = self._static_steps(buckets, kv_caches, services, block_size, max_blocks_per_seq)
+        elif not config.enforce_eager:
             graphs = DecodeGraphs(
                 self.model,
                 services,
@@ -178,6 +185,7 @@ class LLMEngine:
             block_size,
             graphs=graphs,
             sampler=Sampler(self.kernels.ops),
+            static=self.static,
         )
         self._groups: dict[str, _Group] = {}
         self.load_seconds = time.monotonic() - t0
@@ -190,10 +198,50 @@ class LLMEngine:
             dtype,
         )
 
+    def _static_steps(
+        self,
+        buckets: StepBuckets,
+        kv_caches: list[torch.Tensor],
+        services: DeviceServices,
+        block_size: int,
+        max_blocks_per_seq: int,
+    ) -> StaticSteps:
+        """The padded, compiled path for a backend that declares ``buckets``; compiles every shape now."""
+        config = self.config
+        largest = buckets.largest()
+        short = [
+            f"{what} {have} < {need}"
+            for what, have, need in (
+                ("tokens", largest.tokens, config.max_num_batched_tokens),
+                ("sequences", largest.seqs, config.max_num_seqs),
+                ("blocks per sequence", largest.blocks_per_seq, max_blocks_per_seq),
+            )
+            if have < need
+        ]
+        if short:
+            raise InvalidRequest(
+                f"backend {self.backend.name!r} declares step buckets too small for this engine ("
+                + ", ".join(short)
+                + "): lower max_num_batched_tokens / max_num_seqs / max_model_len"
+            )
+        program = ModelStepProgram(self.model, block_size, self.model_config.vocab_size, self.model_config.hidden_size)
+        static = StaticSteps(buckets, program, kv_caches, services, block_size, compile_cache_dir(config))
+        lap = time.monotonic()
+        static.warmup()
+        self.startup_seconds["compile"] = time.monotonic() - lap
+        logger.info(
+            "static-shape steps: %d shapes, %d compilations at warm-up in %.1fs",
+            len(buckets.shapes()),
+            static.compilations,
+            self.startup_seconds["compile"],
+        )
+        return static
+
     def _num_blocks(self, specs: list, block_size: int, itemsize: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = sum(2 * block_size * s.num_kv_heads * s.head_size * itemsize for s in specs)
+        layout = self.backend.capabilities().kv_cache_layout  # sized from the physical shape (padding included)
+        per_block = sum(layout.block_bytes(block_size, s.num_kv_heads, s.head_size, itemsize) for s in specs)
         if self.config.kv_cache_memory_gb is not None:
             budget = int(self.config.kv_cache_memory_gb * (1 << 30))
         else:

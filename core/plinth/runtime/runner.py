@@ -15,8 +15,9 @@ from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.sampler import Sampler, SampleResult
+from plinth.runtime.static import StaticSteps, decode_first
 from plinth.sampling_params import SamplingParams
-from plinth.sched.output import SchedulerOutput
+from plinth.sched.output import ScheduledChunk, SchedulerOutput
 from plinth.sched.request import Sample, SequenceId
 
 
@@ -42,6 +43,8 @@ class ModelRunner:
     """Owns the model, the KV caches and the sampler; runs one scheduled step at a time.
 
     :param sampler: default: a :class:`Sampler` with the plain-torch ops.
+    :param static: the static-shape path, for a backend that declares step buckets: every step is
+        padded and run through it (``graphs`` is then unused).
     """
 
     def __init__(
@@ -53,9 +56,11 @@ class ModelRunner:
         block_size: int,
         graphs: DecodeGraphs | None = None,
         sampler: Sampler | None = None,
+        static: StaticSteps | None = None,
     ) -> None:
         self.model = model
         self.graphs = graphs  # decode steps replayed from step graphs; None: every step eager
+        self.static = static  # every step padded to a bucket (API 1.5); None: steps keep their shapes
         self.kv_caches = kv_caches
         self.attention = attention  # used for block copies; every layer shares the cache layout
         self.services = services
@@ -63,14 +68,14 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler or Sampler()
 
-    def prepare(self, out: SchedulerOutput[SamplingParams]) -> BatchInputs:
-        """Build the step's tensors from the scheduler's value objects."""
+    def prepare(self, scheduled: list[ScheduledChunk[SamplingParams]]) -> BatchInputs:
+        """Build the step's tensors from the scheduler's value objects (in the order given)."""
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         starts: list[int] = []
         tables: list[list[int]] = []
-        for s in out.scheduled:
+        for s in scheduled:
             input_ids.extend(s.token_ids)
             query_lens.append(len(s.token_ids))
             starts.append(s.start_position)
@@ -120,11 +125,23 @@ class ModelRunner:
         for seq_id in out.finished_seq_ids:
             self.sampler.forget(seq_id)
         if out.block_copies:
-            self.attention.copy_blocks(self.kv_caches, out.block_copies)
-        sampling = [i for i, s in enumerate(out.scheduled) if s.num_samples > 0]
+            if self.static is not None:
+                self.static.copy_blocks(out.block_copies, self.attention.copy_blocks)
+            else:
+                self.attention.copy_blocks(self.kv_caches, out.block_copies)
+        # the contract's order (API 1.5): decodes, prefills, other chunks; results go by sequence id
+        scheduled = decode_first(out.scheduled)
+        sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]
         graphs = self.graphs
+        if self.static is not None:
+            if not scheduled:
+                return {}
+            rows = self.static.run(scheduled)  # [B, vocab]
+            if not sampling:
+                return {}
+            logits = rows if len(sampling) == len(scheduled) else rows[torch.tensor(sampling)]
+            return self._sample(logits, scheduled, sampling)
         if graphs is not None and self._graph_step(out, graphs):
-            scheduled = out.scheduled
             hidden = graphs.run(
                 [s.token_ids[0] for s in scheduled],
                 [s.start_position for s in scheduled],
@@ -134,17 +151,22 @@ class ModelRunner:
                 return {}
             last = hidden if len(sampling) == len(scheduled) else hidden[torch.tensor(sampling, device=self.device)]
         else:
-            batch = self.prepare(out)
+            batch = self.prepare(scheduled)
             hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
             if not sampling:
                 return {}
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
             last = hidden.index_select(0, idx)
-        logits = self.model.compute_logits(last)  # [S, V]
+        return self._sample(self.model.compute_logits(last), scheduled, sampling)  # logits [S, V]
+
+    def _sample(
+        self, logits: torch.Tensor, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]
+    ) -> dict[SequenceId, SampleResult]:
+        """Sample every sample of the chunks ``sampling`` indexes; row j of ``logits`` is chunk ``sampling[j]``'s."""
         samples: list[Sample[SamplingParams]] = []
         logits_rows: list[int] = []  # the row of `logits` each sample reads (a fork's n share one)
         for j, i in enumerate(sampling):
-            for sample in out.scheduled[i].samples:
+            for sample in scheduled[i].samples:
                 samples.append(sample)
                 logits_rows.append(j)
         results = self.sampler.sample(logits, samples, logits_rows)

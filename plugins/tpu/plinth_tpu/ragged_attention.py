@@ -171,11 +171,14 @@ def _attention_kernel(
         q_pos = pos0 + t_of_row
         k_pos = page * block_size + lax.broadcasted_iota(jnp.int32, (num_rows, block_size), 1)
         allowed = (k_pos <= q_pos) & (k_pos < seq_len) & (t_of_row < rows)
+        # slots of the page past the sequence hold whatever a block held before (NaN in the suite):
+        # p is 0 there, but 0 * NaN is NaN, so those value rows are zeroed before the p @ v product
+        written = (page * block_size + lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)) < seq_len  # [bs, 1]
         if sliding_window is not None:
             allowed &= q_pos - k_pos < sliding_window
         for h in range(num_kv_heads):
             k = kv_ref[:, (2 * h) // packing, (2 * h) % packing, :]  # [bs, Dp]
-            v = kv_ref[:, (2 * h + 1) // packing, (2 * h + 1) % packing, :]
+            v = jnp.where(written, kv_ref[:, (2 * h + 1) // packing, (2 * h + 1) % packing, :], 0)
             q = q_ref[h]  # [G*Tq, Dp], already scaled
             if k.dtype != q.dtype:
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
