@@ -135,10 +135,11 @@ def _attention_kernel(
     q_ref: jax.Array,  # [Hkv, G*Tq, Dp]
     kv_ref: jax.Array,  # [bs, 2Hkv/packing, packing, Dp]: one page
     o_ref: jax.Array,  # [Hkv, G*Tq, Dp]
-    # scratch (VMEM), Hkv of each: running max [G*Tq, 128], running sum [G*Tq, 128], numerator
-    # [G*Tq, Dp]. One buffer per kv head, not one [Hkv, ...] buffer: the interpreter turns each
-    # store into a functional update of its whole buffer, so a shared buffer costs O(Hkv^2) a step.
-    *scratch: jax.Array,
+    # scratch (VMEM)
+    m_ref: jax.Array,  # [Hkv, G*Tq, 128] running max
+    l_ref: jax.Array,  # [Hkv, G*Tq, 128] running sum
+    acc_ref: jax.Array,  # [Hkv, G*Tq, Dp] running numerator
+    *,
     block_size: int,
     num_kv_heads: int,
     q_tile: int,
@@ -146,9 +147,6 @@ def _attention_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> None:
-    m_refs = scratch[:num_kv_heads]
-    l_refs = scratch[num_kv_heads : 2 * num_kv_heads]
-    acc_refs = scratch[2 * num_kv_heads :]
     tile, page = pl.program_id(0), pl.program_id(1)
     num_pages = pl.num_programs(1)
     rows = rows_ref[tile]
@@ -158,10 +156,9 @@ def _attention_kernel(
 
     @pl.when(page == 0)
     def _init() -> None:
-        for m_ref, l_ref, acc_ref in zip(m_refs, l_refs, acc_refs, strict=True):
-            m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     @pl.when((rows > 0) & (page >= first) & (page <= last))
     def _accumulate() -> None:
@@ -186,21 +183,21 @@ def _attention_kernel(
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(allowed, s, MASK_VALUE)
-            m_prev = m_refs[h][:, :1]  # [R, 1]
+            m_prev = m_ref[h][:, :1]  # [R, 1]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.where(allowed, jnp.exp(s - m_next), 0.0)  # [R, bs]
             alpha = jnp.exp(m_prev - m_next)  # [R, 1]: rescales what earlier pages summed
-            l_next = alpha * l_refs[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
+            l_next = alpha * l_ref[h][:, :1] + jnp.sum(p, axis=1, keepdims=True)
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, Dp]
-            acc_refs[h][...] = alpha * acc_refs[h][...] + pv
-            m_refs[h][...] = jnp.broadcast_to(m_next, (num_rows, _STAT_LANES))
-            l_refs[h][...] = jnp.broadcast_to(l_next, (num_rows, _STAT_LANES))
+            acc_ref[h] = alpha * acc_ref[h] + pv
+            m_ref[h] = jnp.broadcast_to(m_next, (num_rows, _STAT_LANES))
+            l_ref[h] = jnp.broadcast_to(l_next, (num_rows, _STAT_LANES))
 
     @pl.when(page == num_pages - 1)
     def _finish() -> None:
         for h in range(num_kv_heads):
-            total = l_refs[h][:, :1]
-            o_ref[h] = (acc_refs[h][...] / jnp.where(total > 0.0, total, 1.0)).astype(o_ref.dtype)
+            total = l_ref[h][:, :1]
+            o_ref[h] = (acc_ref[h] / jnp.where(total > 0.0, total, 1.0)).astype(o_ref.dtype)
 
 
 def _attention_pass(
@@ -256,8 +253,9 @@ def _attention_pass(
             in_specs=[tile_block, pl.BlockSpec((None, *pages.shape[1:]), page_index)],
             out_specs=tile_block,
             scratch_shapes=[
-                *[pltpu.VMEM((rows_per_tile, _STAT_LANES), jnp.float32) for _ in range(2 * num_kv_heads)],
-                *[pltpu.VMEM((rows_per_tile, dp), jnp.float32) for _ in range(num_kv_heads)],
+                pltpu.VMEM((num_kv_heads, rows_per_tile, _STAT_LANES), jnp.float32),
+                pltpu.VMEM((num_kv_heads, rows_per_tile, _STAT_LANES), jnp.float32),
+                pltpu.VMEM((num_kv_heads, rows_per_tile, dp), jnp.float32),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q4.dtype),
