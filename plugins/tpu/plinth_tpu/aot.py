@@ -161,9 +161,34 @@ def compile_record(
     return record
 
 
-if __name__ == "__main__":  # python -m plinth_tpu.aot: print the record with times
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plinth_tpu.aot [--out FILE]``: compile every target and bucket; print (or write) the record."""
+    import argparse
     import json
+    import os
+    from datetime import date
 
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    parser = argparse.ArgumentParser(description="ahead-of-time TPU compiles of the tpu backend's kernels")
+    parser.add_argument("--out", default=None, help="write the record (with times and versions) here as JSON")
+    args = parser.parse_args(argv)
     spent: dict[str, dict[str, float]] = {}
-    print(json.dumps(compile_record(timings=spent), indent=2))
-    print(json.dumps({t: {k: round(v, 2) for k, v in d.items()} for t, d in spent.items()}, indent=2))
+    record = compile_record(timings=spent)
+    doc = {
+        "date": date.today().isoformat(),
+        "jax": jax.__version__,
+        "targets": TARGETS,
+        "record": record,
+        "seconds": {t: {k: round(v, 2) for k, v in d.items()} for t, d in spent.items()},
+    }
+    text = json.dumps(doc, indent=2) + "\n"
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text, end="")
+    failed = [f"{t}/{b}" for t, entries in record.items() for b, v in entries.items() if v != "compiled"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
