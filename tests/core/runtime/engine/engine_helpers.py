@@ -49,3 +49,16 @@ def save_tiny_folder(kind: str, folder: Path) -> Any:
     tok_config = {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": smol.chat_template}
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return model
+
+
+def host_with(name: str, backend: object) -> Any:
+    """A plugin host whose only plugin (named ``name``) registers ``backend``: an engine test's own backend."""
+    from plinth.hookspecs import hookimpl
+    from plinth.platform.host import PluginHost
+
+    class _Plugin:
+        @hookimpl
+        def plinth_register_backends(self) -> list[object]:
+            return [backend]
+
+    return PluginHost(plugins=((name, _Plugin()),))

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import save_tiny_folder
+from engine_helpers import host_with, save_tiny_folder
 
 from plinth.config import EngineConfig
-from plinth.hookspecs import hookimpl
 from plinth.platform.backend import AttentionSpec, DeviceServices, GemmKernels
 from plinth.platform.devices import HOST
-from plinth.platform.host import PluginHost
 from plinth.platform.reference import ReferenceBackend
 from plinth.runtime.engine import LLMEngine, allocate_kv_caches
 
@@ -65,14 +63,6 @@ class _Before14(ReferenceBackend):
         return torch.full((2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size), 7.0)
 
 
-class _Plugin:
-    def __init__(self, backend: object) -> None:
-        self.backend = backend
-
-    @hookimpl
-    def plinth_register_backends(self) -> list:
-        return [self.backend]
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -84,7 +74,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("prefault", [True, False])
 def test_threads_before_kernels_and_prefault_passed_on(folder: Path, prefault: bool) -> None:
     backend = _Recording()
-    host = PluginHost(plugins=(("recording", _Plugin(backend)),))
+    host = host_with("recording", backend)
     config = EngineConfig(
         model=str(folder), backend="recording", num_threads=3, num_kv_blocks=8, kv_cache_prefault=prefault
     )
@@ -95,7 +85,7 @@ def test_threads_before_kernels_and_prefault_passed_on(folder: Path, prefault: b
 
 def test_no_thread_count_leaves_the_backend_default(folder: Path) -> None:
     backend = _Recording()
-    host = PluginHost(plugins=(("recording", _Plugin(backend)),))
+    host = host_with("recording", backend)
     LLMEngine(EngineConfig(model=str(folder), backend="recording", num_kv_blocks=8), host=host)
     assert not [c for c in backend.calls if c.startswith("threads")]
 

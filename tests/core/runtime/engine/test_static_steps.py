@@ -6,12 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import save_tiny_folder
+from engine_helpers import host_with, save_tiny_folder
 
 from plinth.config import EngineConfig
-from plinth.hookspecs import hookimpl
 from plinth.platform.backend import AttentionMetadata, StepBuckets, StepInputs, StepShape
-from plinth.platform.host import PluginHost
 from plinth.platform.reference import ReferenceBackend
 from plinth.platform.values import KVCacheLayout
 from plinth.runtime.engine import InvalidRequest, LLMEngine
@@ -152,14 +150,6 @@ class StaticReference(ReferenceBackend):
         )
 
 
-class _Plugin:
-    def __init__(self, backend: object) -> None:
-        self.backend = backend
-
-    @hookimpl
-    def plinth_register_backends(self) -> list:
-        return [self.backend]
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -169,7 +159,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(folder: Path, backend: ReferenceBackend, **kw: object) -> LLMEngine:
-    host = PluginHost(plugins=(("test", _Plugin(backend)),))
+    host = host_with("test", backend)
     config = EngineConfig(model=str(folder), backend=backend.name, num_kv_blocks=96, block_size=BLOCK, **kw)  # type: ignore[arg-type]
     return LLMEngine(config, host=host)
 
