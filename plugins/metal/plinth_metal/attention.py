@@ -109,7 +109,7 @@ class MetalAttention(AttentionKernels):
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         # query: [T, H, D]; kv_cache: [2, NB, bs, Hkv, D]
-        out = torch.empty_like(query)
+        out = torch.zeros_like(query)  # rows of padding tokens stay 0, as the reference's
         qlens, seq_lens = meta.query_lens_host, meta.seq_lens_host  # host copies: no device sync
         offsets = [0]
         for n in qlens:
@@ -129,14 +129,25 @@ class MetalAttention(AttentionKernels):
             return sdpa_attend
         return lambda q, k, v, allowed, scale: matmul_attend(q, k, v, allowed, scale, cap)
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """``cache`` [NB, bs, Hkv, D] pages ``blocks`` [N, W] -> [N, Hkv, kv_len, D], zero-padded past the pages."""
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, lens: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """``cache`` [NB, bs, Hkv, D] pages ``blocks`` [N, W] of sequences of ``lens`` [N] tokens ->
+        [N, Hkv, kv_len, D], every slot at or past a sequence's length zero.
+
+        Block-table entries past a sequence's pages are padding (any value, even out of range): they
+        read block 0 instead. The slots past the length (a page's unwritten tail, the padding pages,
+        the pad to :data:`KV_ALIGN`) are zeroed, not only masked: a masked score still multiplies its
+        value, and 0 * NaN would poison the row.
+        """
         n, w = blocks.shape
         _, bs, hkv, d = cache.shape
-        pages = cache.index_select(0, blocks.reshape(-1).long()).view(n, w * bs, hkv, d)
+        owned = torch.arange(w, device=blocks.device)[None, :] * bs < lens[:, None].to(blocks.device)  # [N, W]
+        index = torch.where(owned, blocks, torch.zeros_like(blocks)).reshape(-1).long()
+        pages = cache.index_select(0, index).view(n, w * bs, hkv, d)
         if w * bs < kv_len:
             pages = F.pad(pages, (0, 0, 0, 0, 0, kv_len - w * bs))
-        return pages[:, :kv_len].transpose(1, 2)
+        pages = pages[:, :kv_len]
+        written = torch.arange(kv_len, device=cache.device)[None, :] < lens[:, None]  # [N, S]
+        return torch.where(written[:, :, None, None], pages, torch.zeros((), dtype=pages.dtype, device=pages.device)).transpose(1, 2)
 
     def _decodes(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int], scale: float
@@ -148,9 +159,9 @@ class MetalAttention(AttentionKernels):
         kv_len = aligned_kv_len(max(lens))  # defect (b)
         index = torch.tensor(seqs, device=meta.block_tables.device)
         blocks = meta.block_tables.index_select(0, index)[:, :width]
-        k = self._gather(kv_cache[0], blocks, kv_len).to(q.dtype)  # [N, Hkv, S, D]
-        v = self._gather(kv_cache[1], blocks, kv_len).to(q.dtype)
         seq_len = torch.tensor(lens, device=q.device)[:, None]  # [N, 1]
+        k = self._gather(kv_cache[0], blocks, seq_len[:, 0], kv_len).to(q.dtype)  # [N, Hkv, S, D]
+        v = self._gather(kv_cache[1], blocks, seq_len[:, 0], kv_len).to(q.dtype)
         pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, S]
         allowed = pos < seq_len  # the query sits at seq_len - 1: every written key, no pad slot
         if self.spec.sliding_window is not None:
@@ -167,8 +178,9 @@ class MetalAttention(AttentionKernels):
         ql = q.shape[0]
         kv_len = aligned_kv_len(seq_len)  # defect (b)
         blocks = meta.block_tables[i : i + 1, : -(-seq_len // bs)]
-        k = self._gather(kv_cache[0], blocks, kv_len).to(q.dtype)
-        v = self._gather(kv_cache[1], blocks, kv_len).to(q.dtype)
+        lens = torch.tensor([seq_len], device=q.device)
+        k = self._gather(kv_cache[0], blocks, lens, kv_len).to(q.dtype)  # [1, Hkv, S, D]
+        v = self._gather(kv_cache[1], blocks, lens, kv_len).to(q.dtype)
         q_pos = torch.arange(seq_len - ql, seq_len, device=q.device)[:, None]  # [Q, 1]
         k_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, S]
         allowed = k_pos <= q_pos  # causal; pad slots (>= seq_len > q_pos) masked with it
