@@ -84,8 +84,10 @@ def bounded_attend(
         raise ValueError(f"one query row attends {h} heads x {s} keys = {h * s} scores, over MPS's limit of {limit}")
     if n > 1:
         step = max(1, limit // (h * ql * s))
-        parts = [bounded_attend(fn, q[i : i + step], k[i : i + step], v[i : i + step], allowed[i : i + step], scale)
-                 for i in range(0, n, step)]
+        parts = [
+            bounded_attend(fn, q[i : i + step], k[i : i + step], v[i : i + step], allowed[i : i + step], scale)
+            for i in range(0, n, step)
+        ]
         return torch.cat(parts, dim=0)
     rows = limit // (h * s)
     parts = [fn(q[:, :, i : i + rows], k, v, allowed[:, :, i : i + rows], scale) for i in range(0, ql, rows)]
@@ -120,7 +122,9 @@ class MetalAttention(AttentionKernels):
             out[rows] = self._decodes(query[rows], kv_cache, meta, decodes, scale)
         for i, n in enumerate(qlens):
             if n > 1:
-                out[offsets[i] : offsets[i + 1]] = self._sequence(query[offsets[i] : offsets[i + 1]], kv_cache, meta, i, scale)
+                out[offsets[i] : offsets[i + 1]] = self._sequence(
+                    query[offsets[i] : offsets[i + 1]], kv_cache, meta, i, scale
+                )
         return out
 
     def _attend_fn(self) -> AttendFn:
@@ -147,7 +151,9 @@ class MetalAttention(AttentionKernels):
             pages = F.pad(pages, (0, 0, 0, 0, 0, kv_len - w * bs))
         pages = pages[:, :kv_len]
         written = torch.arange(kv_len, device=cache.device)[None, :] < lens[:, None]  # [N, S]
-        return torch.where(written[:, :, None, None], pages, torch.zeros((), dtype=pages.dtype, device=pages.device)).transpose(1, 2)
+        return torch.where(
+            written[:, :, None, None], pages, torch.zeros((), dtype=pages.dtype, device=pages.device)
+        ).transpose(1, 2)
 
     def _decodes(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int], scale: float

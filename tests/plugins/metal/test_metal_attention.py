@@ -47,8 +47,14 @@ def make_batch(
     gen = torch.Generator().manual_seed(seed)
     name = str(dtype).removeprefix("torch.")
     spec = AttentionSpec(
-        num_heads, num_kv_heads, head_size, block_size, dtype=name, kv_cache_dtype=name,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        dtype=name,
+        kv_cache_dtype=name,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
     need = [math.ceil(s / block_size) for _, s in cases]
     num_blocks = sum(need) + 4
@@ -74,8 +80,13 @@ def check(batch: Batch, atol: float = 2e-5) -> torch.Tensor:
     kernels = MetalAttention(batch.spec, METAL_KV_LAYOUT)
     out = kernels.forward(batch.query, batch.kv_cache, batch.meta, SCALE)
     want = reference_paged_attention(
-        batch.query.float(), batch.kv_cache[0].float(), batch.kv_cache[1].float(), batch.meta, SCALE,
-        sliding_window=batch.spec.sliding_window, logits_soft_cap=batch.spec.logits_soft_cap,
+        batch.query.float(),
+        batch.kv_cache[0].float(),
+        batch.kv_cache[1].float(),
+        batch.meta,
+        SCALE,
+        sliding_window=batch.spec.sliding_window,
+        logits_soft_cap=batch.spec.logits_soft_cap,
     )
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
@@ -145,7 +156,9 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """Record the (q, k) shapes of every SDPA call the kernels make."""
     shapes: list[tuple[int, ...]] = []
 
-    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    def recording(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         shapes.append((*q.shape, k.shape[2]))
         return sdpa_attend(q, k, v, allowed, scale)
 
