@@ -133,27 +133,29 @@ class MetalAttention(AttentionKernels):
             return sdpa_attend
         return lambda q, k, v, allowed, scale: matmul_attend(q, k, v, allowed, scale, cap)
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, lens: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """``cache`` [NB, bs, Hkv, D] pages ``blocks`` [N, W] of sequences of ``lens`` [N] tokens ->
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, lens: list[int], kv_len: int) -> torch.Tensor:
+        """``cache`` [NB, bs, Hkv, D] pages ``blocks`` [N, W] of sequences of ``lens`` (host ints) tokens ->
         [N, Hkv, kv_len, D], every slot at or past a sequence's length zero.
 
         Block-table entries past a sequence's pages are padding (any value, even out of range): they
         read block 0 instead. The slots past the length (a page's unwritten tail, the padding pages,
         the pad to :data:`KV_ALIGN`) are zeroed, not only masked: a masked score still multiplies its
-        value, and 0 * NaN would poison the row.
+        value, and 0 * NaN would poison the row. Both masks are built on the host from host lengths
+        (no device sync), and the zeroing writes only those slots: a ``torch.where`` over the whole
+        gather cost 40% of a 16 x 1024 decode step on the CPU (profiled).
         """
         n, w = blocks.shape
         _, bs, hkv, d = cache.shape
-        owned = torch.arange(w, device=blocks.device)[None, :] * bs < lens[:, None].to(blocks.device)  # [N, W]
+        lens_t = torch.tensor(lens)[:, None]  # [N, 1], host
+        owned = (torch.arange(w)[None, :] * bs < lens_t).to(blocks.device)  # [N, W]
         index = torch.where(owned, blocks, torch.zeros_like(blocks)).reshape(-1).long()
         pages = cache.index_select(0, index).view(n, w * bs, hkv, d)
         if w * bs < kv_len:
             pages = F.pad(pages, (0, 0, 0, 0, 0, kv_len - w * bs))
         pages = pages[:, :kv_len]
-        written = torch.arange(kv_len, device=cache.device)[None, :] < lens[:, None]  # [N, S]
-        return torch.where(
-            written[:, :, None, None], pages, torch.zeros((), dtype=pages.dtype, device=pages.device)
-        ).transpose(1, 2)
+        rows, cols = torch.nonzero(torch.arange(kv_len)[None, :] >= lens_t, as_tuple=True)  # host
+        pages[rows.to(cache.device), cols.to(cache.device)] = 0
+        return pages.transpose(1, 2)
 
     def _decodes(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int], scale: float
@@ -166,8 +168,8 @@ class MetalAttention(AttentionKernels):
         index = torch.tensor(seqs, device=meta.block_tables.device)
         blocks = meta.block_tables.index_select(0, index)[:, :width]
         seq_len = torch.tensor(lens, device=q.device)[:, None]  # [N, 1]
-        k = self._gather(kv_cache[0], blocks, seq_len[:, 0], kv_len).to(q.dtype)  # [N, Hkv, S, D]
-        v = self._gather(kv_cache[1], blocks, seq_len[:, 0], kv_len).to(q.dtype)
+        k = self._gather(kv_cache[0], blocks, lens, kv_len).to(q.dtype)  # [N, Hkv, S, D]
+        v = self._gather(kv_cache[1], blocks, lens, kv_len).to(q.dtype)
         pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, S]
         allowed = pos < seq_len  # the query sits at seq_len - 1: every written key, no pad slot
         if self.spec.sliding_window is not None:
@@ -184,9 +186,8 @@ class MetalAttention(AttentionKernels):
         ql = q.shape[0]
         kv_len = aligned_kv_len(seq_len)  # defect (b)
         blocks = meta.block_tables[i : i + 1, : -(-seq_len // bs)]
-        lens = torch.tensor([seq_len], device=q.device)
-        k = self._gather(kv_cache[0], blocks, lens, kv_len).to(q.dtype)  # [1, Hkv, S, D]
-        v = self._gather(kv_cache[1], blocks, lens, kv_len).to(q.dtype)
+        k = self._gather(kv_cache[0], blocks, [seq_len], kv_len).to(q.dtype)  # [1, Hkv, S, D]
+        v = self._gather(kv_cache[1], blocks, [seq_len], kv_len).to(q.dtype)
         q_pos = torch.arange(seq_len - ql, seq_len, device=q.device)[:, None]  # [Q, 1]
         k_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, S]
         allowed = k_pos <= q_pos  # causal; pad slots (>= seq_len > q_pos) masked with it
