@@ -3,6 +3,7 @@ and the engine end to end with it chosen. Skipped where MLX is not installed."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from plinth_metal.mlx_provider import MLX_ENV, MlxAttention, MlxGemm, MlxProvide
 
 from plinth.platform.backend import AttentionSpec, KVCacheLayout
 from plinth.platform.reference import ReferenceGemm
+
+pytest_plugins = ["pytester"]
 
 pytest.importorskip("mlx.core", reason="the MLX provider's tests need mlx (pip install 'mlx[cpu]')")
 
@@ -108,3 +111,28 @@ def test_the_engine_picks_mlx_and_matches_the_reference(tmp_path: Path, monkeypa
     batch = prompts(1, (1, 9, 40, 70))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     _compare(llm.generate(batch, params), ref.generate(batch, params))
+
+
+@pytest.mark.slow
+def test_the_mlx_provider_passes_the_core_tier_in_emulation(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import mlx.core as mx
+
+    from plinth_conformance.cli import suite_args
+
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    # in a subprocess: the shim patches the backend class, which must not leak into this session
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    note = (
+        f"kernels: the MLX provider (mlx {mx.__version__}, CPU build) through tests/plugins/metal/mlx_conformance_shim"
+    )
+    args = suite_args("metal", "core", report=tmp_path, note=note, extra=["-p", "mlx_conformance_shim", "-s"])
+    result = pytester.runpytest_subprocess(*args)
+    assert result.ret == 0, "\n".join(result.outlines[-60:])
+    assert any("kernels made: ['MlxAttention', 'MlxGemm']" in line for line in result.outlines), result.outlines[-5:]
+    cert = json.loads((tmp_path / "certificate.json").read_text())
+    assert cert["result"] == "passed" and cert["tiers"]["core"]["passed"] >= 30
+    assert cert["device"]["verified_on"] == "emulation" and "MLX provider" in cert["note"]
