@@ -1,4 +1,4 @@
-"""Gather + SDPA against gather + matmul/softmax, the two attention paths of plinth_metal.attention.
+"""Gather + SDPA against gather + matmul/softmax (plinth_metal.attention) and, where MLX is installed, MLX's SDPA.
 
 Times MetalAttention.forward with each inner function on the same batches (medians of interleaved
 runs, so host noise hits both alike) and prints one line per batch. Run on the CPU (emulation) or,
@@ -17,6 +17,7 @@ import torch
 from plinth_metal import attention
 from plinth_metal.attention import MetalAttention, matmul_attend, sdpa_attend
 from plinth_metal.backend import METAL_KV_LAYOUT
+from plinth_metal.mlx_provider import mlx_available, mlx_sdpa
 
 from plinth.platform.backend import AttentionMetadata, AttentionSpec
 
@@ -54,6 +55,8 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.mps.synchronize if device.type == "mps" else (lambda: None)
     paths = {"sdpa": sdpa_attend, "matmul": matmul_attend}
+    if mlx_available():  # the MLX provider's attention: the same gather, MLX's SDPA, copies both ways
+        paths["mlx"] = mlx_sdpa
     print(
         f"device {device}, {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads; H=32 Hkv=8 D=64 bs=16"
     )
@@ -70,8 +73,7 @@ def main() -> None:
                 times[p].append(time.perf_counter() - t0)
         attention.sdpa_attend = paths["sdpa"]  # type: ignore[assignment]
         med = {p: statistics.median(t[2:]) * 1e3 for p, t in times.items()}
-        ratio = med["matmul"] / med["sdpa"]
-        print(f"{name:36s} sdpa {med['sdpa']:7.2f} ms   matmul {med['matmul']:7.2f} ms   matmul/sdpa {ratio:.2f}")
+        print(f"{name:36s} " + "   ".join(f"{p} {ms:7.2f} ms" for p, ms in med.items()))
 
 
 if __name__ == "__main__":
