@@ -78,7 +78,7 @@ def render_matrix(certs: list[dict[str, Any]]) -> str:
         lines.append("| (no certificates) |" + " |" * (len(head) - 1))
     lines += [
         "",
-        "Backends without a certificate (Gaudi, Apple Silicon) are not written yet.",
+        "Backends without a certificate (Gaudi) are not written yet.",
         "",
     ]
     return "\n".join(lines)

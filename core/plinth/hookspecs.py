@@ -82,7 +82,7 @@ API    adds / changes
        compiled by ``DeviceServices.compile_step`` into a ``CompiledStep`` (warm-up over every shape,
        a compilation counter, the KV caches as explicit state); a decode-first order of every step
        (``AttentionMetadata.distribution``, ``describe``, ``traced``); the fused, functional
-       ``AttentionKernels.attend`` (default: ``write_kv`` then ``forward``), which the model's
+       ``AttentionKernels.write_and_attend`` (default: ``write_kv`` then ``forward``), which the model's
        layers now call; ``KVCacheLayout`` beyond a permutation (interleaved ``kv_heads``,
        ``packing``, ``head_size_align``, ``block_bytes``, ``canonical_kv_view``; the KV cache is
        sized from the physical shape)
@@ -118,7 +118,7 @@ API_HISTORY: dict[tuple[int, int], str] = {
     "SmallOps.argmax, DeviceServices.set_num_threads and read_probes, Backend.allocate_kv_cache(prefault=)",
     (1, 5): "static-shape steps: Backend.step_buckets, StepBuckets, StepShape, StepInputs, StepProgram, "
     "DeviceServices.compile_step -> CompiledStep; decode-first order (AttentionMetadata.distribution, traced); "
-    "AttentionKernels.attend (fused, functional); KVCacheLayout kv_heads/packing/head_size_align/block_bytes",
+    "AttentionKernels.write_and_attend (fused, functional); KVCacheLayout kv_heads/packing/head_size_align/block_bytes",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

@@ -64,7 +64,7 @@ def test_members_named_in_a_version_carry_that_versions_marker() -> None:
         "plinth.platform.backend.SmallOps.add_rms_norm": (1, 1),
         "plinth.platform.backend.DeviceServices.begin_graph_capture": (1, 2),
         "plinth.platform.backend.StepGraph.replay_rows": (1, 3),
-        "plinth.platform.backend.AttentionKernels.attend": (1, 5),
+        "plinth.platform.backend.AttentionKernels.write_and_attend": (1, 5),
         "plinth.platform.backend.DeviceServices.compile_step": (1, 5),
         "plinth.platform.backend.Backend.step_buckets": (1, 5),
         "plinth.platform.backend.AttentionMetadata.describe": (1, 5),

@@ -185,7 +185,7 @@ class Attention(nn.Module):
         # v stays a strided view of qkv (write_kv takes any strides): no copy
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         # the fused entry (API 1.5): writes K/V and attends; a functional backend returns a new cache
-        out, ctx.kv_caches[self.layer_idx] = self.attn_kernels.attend(
+        out, ctx.kv_caches[self.layer_idx] = self.attn_kernels.write_and_attend(
             q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn, self.scale
         )  # [T, H, D]
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))

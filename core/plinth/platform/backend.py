@@ -281,7 +281,7 @@ class AttentionKernels(ABC):
     ) -> torch.Tensor:
         """Paged attention: ``query`` [T, H, D] -> output [T, H, D] over the cached K/V."""
 
-    def attend(
+    def write_and_attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,

@@ -58,11 +58,11 @@ def _jnp_attend(
 class JnpAttention(kernels.TpuAttention):
     """The tpu backend's attention with the plain-jnp kernel in place of the Pallas one."""
 
-    def attend(self, query: Any, key: Any, value: Any, kv_cache: Any, meta: Any, scale: float) -> Any:
+    def write_and_attend(self, query: Any, key: Any, value: Any, kv_cache: Any, meta: Any, scale: float) -> Any:
         saved = kernels._attend
         kernels._attend = _jnp_attend  # type: ignore[assignment]
         try:
-            return super().attend(query, key, value, kv_cache, meta, scale)
+            return super().write_and_attend(query, key, value, kv_cache, meta, scale)
         finally:
             kernels._attend = saved  # type: ignore[assignment]
 

@@ -3,7 +3,7 @@
 Each method takes torch tensors: :class:`~plinth_tpu.bridge.JaxTensor` inside a compiled step (the
 jax function joins the trace), plain host tensors when called eagerly (the conformance suite; the
 arrays cross by DLPack). Attention is the Pallas ragged kernel with the KV write fused
-(:meth:`TpuAttention.attend`, API 1.5); GEMMs, norms, rotary and the activation are ``jax.numpy``
+(:meth:`TpuAttention.write_and_attend`, API 1.5); GEMMs, norms, rotary and the activation are ``jax.numpy``
 for XLA to fuse.
 """
 
@@ -88,7 +88,7 @@ class TpuAttention(AttentionKernels):
         n = meta.num_seqs
         return torch.tensor([0, 0, n], dtype=torch.int32)  # every sequence general: always correct
 
-    def attend(
+    def write_and_attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -122,7 +122,7 @@ class TpuAttention(AttentionKernels):
     ) -> None:
         """The KV write alone, in place (eager callers: the cache tensor is a host tensor)."""
         if is_traced(kv_cache):
-            raise TypeError("tpu: write_kv cannot update a traced cache in place; the model calls attend")
+            raise TypeError("tpu: write_kv cannot update a traced cache in place; the model calls write_and_attend")
         kv_cache.copy_(run_jax(_store, kv_cache, key, value, slot_mapping))
 
     def forward(
