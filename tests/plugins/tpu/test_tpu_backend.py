@@ -118,8 +118,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def llama_tpu(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    from plinth.platform import host
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(INTERPRET_ENV, "1")
+        mp.setattr(host, "_default_host", None)  # probe again, with the interpreter asked for
         cache = tmp_path_factory.mktemp("compile-cache")
         yield LLM(model=str(tiny["llama"]), backend="tpu", compile_cache_dir=str(cache), **ENGINE)
 
