@@ -151,18 +151,17 @@ class ModelStepProgram(StepProgram):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self._owners: dict[str, tuple[Any, str]] = {}
+        self._alias: dict[str, str] = {}  # every slot -> the weight bound there (a tied weight: one argument)
         weights: dict[str, torch.Tensor] = {}
         seen: dict[int, str] = {}
         for mod_name, module in model.named_modules():
             for name, owner, attr, tensor in _slots(module):
                 full = f"{mod_name}.{name}" if mod_name else name
-                if id(tensor) in seen:  # a tied weight: one argument, bound in both places
-                    self._owners[full] = (owner, attr)
-                    continue
-                seen[id(tensor)] = full
-                weights[full] = tensor
+                first = seen.setdefault(id(tensor), full)
+                if first == full:
+                    weights[full] = tensor
                 self._owners[full] = (owner, attr)
-        self._alias = {name: seen[id(t)] for name, t in self._tensors_by_owner().items()}
+                self._alias[full] = first
         self.weights = weights
 
     def _tensors_by_owner(self) -> dict[str, torch.Tensor]:
@@ -323,10 +322,11 @@ class StaticSteps:
     def run(self, chunks: Sequence[ScheduledChunk[Any]]) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` of the decode-first ordered ``chunks``."""
         width = max(-(-(c.start_position + len(c.token_ids)) // self.block_size) for c in chunks)
-        shape = self.buckets.fit(sum(len(c.token_ids) for c in chunks), len(chunks), width)
+        tokens = sum(len(c.token_ids) for c in chunks)
+        shape = self.buckets.fit(tokens, len(chunks), width)
         if shape is None:
             raise ValueError(
-                f"a step of {sum(len(c.token_ids) for c in chunks)} tokens, {len(chunks)} sequences and "
+                f"a step of {tokens} tokens, {len(chunks)} sequences and "
                 f"{width} blocks per sequence exceeds the backend's largest bucket {tuple(self.buckets.largest())}"
             )
         inputs = pad_inputs(chunks, shape, self.block_size)

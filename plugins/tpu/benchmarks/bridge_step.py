@@ -58,13 +58,7 @@ def _jnp_attend(
 class JnpAttention(kernels.TpuAttention):
     """The tpu backend's attention with the plain-jnp kernel in place of the Pallas one."""
 
-    def write_and_attend(self, query: Any, key: Any, value: Any, kv_cache: Any, meta: Any, scale: float) -> Any:
-        saved = kernels._attend
-        kernels._attend = _jnp_attend  # type: ignore[assignment]
-        try:
-            return super().write_and_attend(query, key, value, kv_cache, meta, scale)
-        finally:
-            kernels._attend = saved  # type: ignore[assignment]
+    attention_fn = staticmethod(_jnp_attend)
 
 
 class Backend(TpuBackend):

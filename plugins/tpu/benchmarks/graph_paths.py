@@ -54,6 +54,7 @@ from plinth.model.context import ForwardContext, ModelKernels
 from plinth.model.loader import load_model, resolve_model
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, LinearWeight, SmallOps
 from plinth.platform.reference import ReferenceBackend
+from plinth_conformance.certificate import cpu_model
 from plinth_conformance.tiny_models import save_tiny_model
 
 BLOCK_SIZE = 16
@@ -678,17 +679,6 @@ def _origin(exc: BaseException) -> str:
     return f"raised under {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
 
 
-def _cpu_name() -> str:
-    """The host CPU's model name (Linux), else the machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip().replace(" ", "_")
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, measure every shape on one path, print a table (and JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -730,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"path={args.path} attention={args.attention} pallas_op={args.pallas_op} "
         f"inference_mode={not args.no_inference_mode} torch={torch.__version__} python={platform.python_version()} "
-        f"host={_cpu_name()} threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}"
+        f"host={cpu_model().replace(' ', '_')} threads={torch.get_num_threads()} load={os.getloadavg()[0]:.1f}"
     )
     print(header)
     print(

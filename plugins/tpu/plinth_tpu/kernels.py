@@ -9,7 +9,8 @@ for XLA to fuse.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import torch
@@ -68,6 +69,11 @@ class TpuAttention(AttentionKernels):
     :param interpret: run the Pallas kernel in Pallas' interpreter (any jax platform: the CPU here).
     """
 
+    #: The jax function the kernels call, ``(q, k, v, cache, slots, tables, seq_lens, starts,
+    #: distribution, **static) -> (out, cache)``: the Pallas kernel (a subclass may put another
+    #: function of the same semantics here, as the benchmarks' plain-jnp variant does).
+    attention_fn: ClassVar[Callable[..., tuple[Any, Any]]] = staticmethod(_attend)
+
     def __init__(self, spec: AttentionSpec, layout: KVCacheLayout, *, interpret: bool) -> None:
         super().__init__(spec, layout)
         self.interpret = interpret
@@ -100,7 +106,7 @@ class TpuAttention(AttentionKernels):
         """One Pallas call writes the K/V and attends; returns the new cache (traced) or, eagerly,
         the same cache tensor with the new cache's contents copied in."""
         out, cache = run_jax(
-            _attend,
+            self.attention_fn,
             query,
             key,
             value,
@@ -133,7 +139,7 @@ class TpuAttention(AttentionKernels):
         empty = torch.zeros(t, self.spec.num_kv_heads, d, dtype=query.dtype)
         nowhere = torch.full((t,), -1, dtype=torch.int32)
         out, _ = run_jax(
-            _attend,
+            self.attention_fn,
             query,
             empty,
             empty,
