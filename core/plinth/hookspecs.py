@@ -36,7 +36,7 @@ The contract objects
 - what a backend implements, :mod:`plinth.platform.backend`: ``Backend``, ``DeviceServices``,
   ``AttentionKernels`` (receiving ``AttentionMetadata``), ``GemmKernels`` (returning
   ``LinearWeight``), ``SmallOps``, ``GraphCapture``, ``StepGraph``, ``KernelProvider``, ``StepInputs``,
-  ``StepProgram``, ``CompiledStep``, and the
+  ``StepProgram``, ``CompiledStep``, ``FlatBlocks``, and the
   helpers ``torch_dtype``/``dtype_name``;
 - quantized weights a GEMM may receive, :mod:`plinth.platform.quant`: ``QuantizedWeight``,
   ``dequantize``;
@@ -86,6 +86,13 @@ API    adds / changes
        layers now call; ``KVCacheLayout`` beyond a permutation (interleaved ``kv_heads``,
        ``packing``, ``head_size_align``, ``block_bytes``, ``canonical_kv_view``; the KV cache is
        sized from the physical shape)
+1.6    separate prefill and decode graphs: ``Capabilities.mixed_batches`` (False: the scheduler
+       runs one phase per step), ``StepBuckets.decode`` (the decode set; ``StepShape.decode``,
+       ``AttentionMetadata.decode_only``); flat block lists: ``StepBuckets.flat_blocks``,
+       ``StepShape.flat_blocks``, ``FlatBlocks`` (``StepInputs.flat_blocks``,
+       ``AttentionMetadata.flat_blocks``); ``Capabilities.block_placement`` ("contiguous": lowest
+       free block ids first), ``Capabilities.preferred_block_size``, ``Capabilities.communicator``
+       (the ``torch.distributed`` backend of the device's process group)
 =====  ===========================================================================================
 """
 
@@ -103,7 +110,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 5)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 6)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -119,6 +126,9 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 5): "static-shape steps: Backend.step_buckets, StepBuckets, StepShape, StepInputs, StepProgram, "
     "DeviceServices.compile_step -> CompiledStep; decode-first order (AttentionMetadata.distribution, traced); "
     "AttentionKernels.write_and_attend (fused, functional); KVCacheLayout kv_heads/packing/head_size_align/block_bytes",
+    (1, 6): "separate prefill/decode graphs: Capabilities.mixed_batches, StepBuckets.decode (StepShape.decode, "
+    "AttentionMetadata.decode_only); flat block lists: StepBuckets.flat_blocks, StepShape.flat_blocks, FlatBlocks; "
+    "Capabilities.block_placement, preferred_block_size, communicator",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.
@@ -145,6 +155,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.backend.StepInputs",
     "plinth.platform.backend.StepProgram",
     "plinth.platform.backend.CompiledStep",
+    "plinth.platform.backend.FlatBlocks",
     "plinth.platform.backend.torch_dtype",
     "plinth.platform.backend.canonical_kv_view",
     "plinth.platform.backend.dtype_name",

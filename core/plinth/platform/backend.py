@@ -41,6 +41,7 @@ __all__ = [
     "Capabilities",
     "CompiledStep",
     "DeviceServices",
+    "FlatBlocks",
     "GemmKernels",
     "GraphCapture",
     "KVCacheLayout",
@@ -121,6 +122,83 @@ def canonical_kv_view(
 
 
 @dataclass(slots=True)
+class FlatBlocks:
+    """Every sequence's KV blocks of one step in one list, padded: the layout a flat paged-attention
+    kernel reads (one batched pass over all blocks instead of a loop over sequences).
+
+    Entry ``j`` is block ``block_list[j]``, the ``block_index[j]``-th block of sequence
+    ``block_groups[j]``; its slot ``s`` holds the key at position ``block_index[j] * block_size + s``,
+    valid while that is below the sequence's length. Padding entries name block 0 (the null block)
+    and group ``B`` (one past the last sequence): a kernel gives group ``B`` length 0, so they mask out.
+    Sequences appear in step order, each one's blocks in table order.
+
+    .. versionadded:: 1.6
+    """
+
+    block_list: torch.Tensor  # [NB] int32
+    block_groups: torch.Tensor  # [NB] int32: the sequence of each entry; B for padding
+    block_index: torch.Tensor  # [NB] int32: the entry's index in its sequence's table
+    #: The real (unpadded) entries.
+    num_blocks: int = 0
+
+    @staticmethod
+    def count(seq_lens: Sequence[int], block_size: int) -> int:
+        """Entries the flat list of sequences of ``seq_lens`` needs: their blocks, summed."""
+        return sum(-(-n // block_size) for n in seq_lens)
+
+    @classmethod
+    def build(
+        cls,
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]] | torch.Tensor,
+        block_size: int,
+        pad_to: int | None = None,
+        *,
+        num_seqs: int | None = None,
+    ) -> FlatBlocks:
+        """The flat list of sequences of ``seq_lens`` (host ints) over ``block_tables`` (one row per
+        sequence), padded to ``pad_to`` entries (default: none); ``num_seqs`` is B, the padding group
+        (default ``len(seq_lens)``).
+
+        :raises ValueError: the list does not fit in ``pad_to``.
+        """
+        tables = block_tables.tolist() if isinstance(block_tables, torch.Tensor) else block_tables
+        blocks: list[int] = []
+        groups: list[int] = []
+        index: list[int] = []
+        for i, n in enumerate(seq_lens):
+            used = -(-n // block_size)
+            blocks.extend(tables[i][:used])
+            groups.extend([i] * used)
+            index.extend(range(used))
+        real = len(blocks)
+        size = real if pad_to is None else pad_to
+        if real > size:
+            raise ValueError(f"a flat block list of {real} blocks does not fit in {size} entries")
+        pad_group = len(seq_lens) if num_seqs is None else num_seqs
+        pad = size - real
+        return cls(
+            block_list=torch.tensor(blocks + [0] * pad, dtype=torch.int32),
+            block_groups=torch.tensor(groups + [pad_group] * pad, dtype=torch.int32),
+            block_index=torch.tensor(index + [0] * pad, dtype=torch.int32),
+            num_blocks=real,
+        )
+
+    @classmethod
+    def from_metadata(cls, meta: AttentionMetadata, block_size: int) -> FlatBlocks:
+        """The flat list of ``meta``'s batch, unpadded (``meta.flat_blocks`` where the step has one)."""
+        if meta.flat_blocks is not None:
+            return meta.flat_blocks
+        if meta.traced:
+            raise ValueError("a traced step without a flat block list: declare StepBuckets.flat_blocks")
+        flat = cls.build(meta.seq_lens_host, meta.block_tables.to(HOST), block_size, num_seqs=meta.num_seqs)
+        device = meta.block_tables.device
+        return cls(
+            flat.block_list.to(device), flat.block_groups.to(device), flat.block_index.to(device), flat.num_blocks
+        )
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """The varlen batch one attention call serves: any mix of prefill chunks and decodes.
 
@@ -159,6 +237,19 @@ class AttentionMetadata:
     #:
     #: .. versionadded:: 1.5
     traced: bool = False
+    #: The step's flat block list (every sequence's blocks in one padded list), where the step's
+    #: buckets declare one (:attr:`StepBuckets.flat_blocks`); None otherwise: a kernel that wants
+    #: one builds it with :meth:`FlatBlocks.from_metadata`.
+    #:
+    #: .. versionadded:: 1.6
+    flat_blocks: FlatBlocks | None = None
+    #: True when every sequence has exactly one query token and token ``i`` is sequence ``i``'s (a
+    #: step of the decode set, or a batch of only decodes): a kernel may take its decode path
+    #: without reading a length. Decided by the step's shape, never by values, so a graph captured
+    #: for one shape takes one path.
+    #:
+    #: .. versionadded:: 1.6
+    decode_only: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -205,6 +296,8 @@ class AttentionMetadata:
         .. versionadded:: 1.4
         .. versionchanged:: 1.5
            sets :attr:`distribution`.
+        .. versionchanged:: 1.6
+           sets :attr:`decode_only`.
 
         :param query_lens: new tokens per sequence (host ints).
         :param seq_lens: kv tokens per sequence: host ints, or an int32 tensor used as it is (a
@@ -255,6 +348,7 @@ class AttentionMetadata:
             seq_lens_host=seq_lens_host,
             distribution=torch.tensor(distribution, dtype=torch.int32, device=device),
             distribution_host=distribution,
+            decode_only=bool(query_lens) and all(q == 1 for q in query_lens),
         )
 
 
@@ -496,10 +590,20 @@ class StepInputs:
     #: The real (unpadded) counts: tokens and sequences.
     num_tokens: int = 0
     num_seqs: int = 0
+    #: The step's flat block list, padded to ``shape.flat_blocks`` (padding: block 0, group B);
+    #: None when the shape has none.
+    #:
+    #: .. versionadded:: 1.6
+    flat_blocks: FlatBlocks | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors by name (what a compiled step takes as its input arrays)."""
-        return {
+        """The tensors by name (what a compiled step takes as its input arrays).
+
+        .. versionchanged:: 1.6
+           ``flat_block_list``, ``flat_block_groups`` and ``flat_block_index`` where the shape has a
+           flat block list.
+        """
+        out = {
             "input_ids": self.input_ids,
             "positions": self.positions,
             "slot_mapping": self.slot_mapping,
@@ -509,12 +613,18 @@ class StepInputs:
             "distribution": self.distribution,
             "logits_indices": self.logits_indices,
         }
+        if self.flat_blocks is not None:
+            out["flat_block_list"] = self.flat_blocks.block_list
+            out["flat_block_groups"] = self.flat_blocks.block_groups
+            out["flat_block_index"] = self.flat_blocks.block_index
+        return out
 
     @classmethod
     def dummy(cls, shape: StepShape) -> StepInputs:
         """Inputs of ``shape`` that are all padding but one decode token of sequence 0 (a warm-up
         step: compiles the shape, writes nothing)."""
-        t, b, w = shape
+        t, b, w = shape.tokens, shape.seqs, shape.blocks_per_seq
+        flat = FlatBlocks.build([1], [[0]], 1, shape.flat_blocks, num_seqs=b) if shape.flat_blocks else None
         return cls(
             input_ids=torch.zeros(t, dtype=torch.int32),
             positions=torch.zeros(t, dtype=torch.int32),
@@ -527,6 +637,7 @@ class StepInputs:
             shape=shape,
             num_tokens=1,
             num_seqs=1,
+            flat_blocks=flat,
         )
 
 

@@ -189,6 +189,10 @@ class AttentionSpec:
     logits_soft_cap: float | None = None
 
 
+#: The block placements a backend may ask for (:attr:`Capabilities.block_placement`, API 1.6).
+BLOCK_PLACEMENTS: frozenset[str] = frozenset({"any", "contiguous"})
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a backend declares it supports (``Backend.capabilities()``).
@@ -214,6 +218,39 @@ class Capabilities:
     quant_formats: frozenset[str] = frozenset()
     #: The KV cache layout the attention kernels read and ``allocate_kv_cache`` makes.
     kv_cache_layout: KVCacheLayout = field(default_factory=KVCacheLayout)
+    #: False: one forward must hold only decodes (one query token per sequence) or only prefill
+    #: chunks, never both (a graph compiler's separate prefill and decode graphs). The scheduler then
+    #: picks one phase per step (:class:`plinth.sched.scheduler.Scheduler`, ``mixed_batches``).
+    #:
+    #: .. versionadded:: 1.6
+    mixed_batches: bool = True
+    #: How the block pool hands out KV blocks: ``"any"`` (least recently freed first, what the
+    #: prefix cache's eviction wants) or ``"contiguous"`` (lowest free ids first, so a step's blocks
+    #: form a dense low id range a kernel can slice instead of gather; eviction then goes by id).
+    #:
+    #: .. versionadded:: 1.6
+    block_placement: str = "any"
+    #: The block size the engine takes when the user names none (None: 16 where declared, else the
+    #: first of :attr:`block_sizes`).
+    #:
+    #: .. versionadded:: 1.6
+    preferred_block_size: int | None = None
+    #: The ``torch.distributed`` backend of this device's process group (``"gloo"``, ``"nccl"``,
+    #: ``"hccl"``, ...), for tensor and pipeline parallelism; None: not declared.
+    #:
+    #: .. versionadded:: 1.6
+    communicator: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_placement not in BLOCK_PLACEMENTS:
+            raise ValueError(
+                f"Capabilities.block_placement {self.block_placement!r}: choose one of {sorted(BLOCK_PLACEMENTS)}"
+            )
+        if self.preferred_block_size is not None and self.preferred_block_size not in self.block_sizes:
+            raise ValueError(
+                f"Capabilities.preferred_block_size {self.preferred_block_size} is not among the declared "
+                f"block sizes {list(self.block_sizes)}"
+            )
 
     def unsupported(self, spec: AttentionSpec) -> list[str]:
         """Reasons ``spec`` cannot run on this backend; empty when it can."""
@@ -252,6 +289,8 @@ class StepShape(NamedTuple):
     """One compiled shape of a static-shape step: the padded sizes of its flattened batch.
 
     .. versionadded:: 1.5
+    .. versionchanged:: 1.6
+       ``flat_blocks`` and ``decode``.
     """
 
     #: T: query tokens of the step (every sequence's chunk, concatenated), padded.
@@ -260,10 +299,20 @@ class StepShape(NamedTuple):
     seqs: int
     #: W: the block table's width (blocks per sequence), padded.
     blocks_per_seq: int
+    #: The length of the step's flat block list (every sequence's blocks in one list), padded; 0
+    #: when the buckets declare no flat list.
+    #:
+    #: .. versionadded:: 1.6
+    flat_blocks: int = 0
+    #: True for a shape of the decode set (:attr:`StepBuckets.decode`): every sequence has one query
+    #: token, token ``i`` belongs to sequence ``i`` (T == B).
+    #:
+    #: .. versionadded:: 1.6
+    decode: bool = False
 
 
-def _bucket_values(name: str, values: tuple[int, ...]) -> tuple[int, ...]:
-    if not values or any(not isinstance(v, int) or v < 1 for v in values):
+def _bucket_values(name: str, values: tuple[int, ...], *, allow_empty: bool = False) -> tuple[int, ...]:
+    if (not values and not allow_empty) or any(not isinstance(v, int) or v < 1 for v in values):
         raise ValueError(f"step buckets: {name} must be positive integers, got {values!r}")
     return tuple(sorted(set(values)))
 
@@ -277,27 +326,59 @@ def _powers_of_two(minimum: int, maximum: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _fit(values: tuple[int, ...], n: int) -> int | None:
+    for v in values:
+        if v >= n:
+            return v
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class StepBuckets:
     """The shapes a static-shape backend compiles its steps for (``Backend.step_buckets``).
 
     Every step, not only pure decodes, is padded up to the smallest bucket of each kind that holds
-    it: the number of query tokens (T), of sequences (B) and the block table's width (W). A
-    compiled backend then sees only the shapes in :meth:`shapes`, and compiles each once. The
-    padding semantics (what the runner fills the padding with) are in
-    :class:`plinth.platform.backend.StepInputs`.
+    it: the number of query tokens (T), of sequences (B) and the block table's width (W); with
+    :attr:`flat_blocks`, also the length of the step's flat block list. A compiled backend then sees
+    only the shapes in :meth:`shapes`, and compiles each once. The padding semantics (what the
+    runner fills the padding with) are in :class:`plinth.platform.backend.StepInputs`.
+
+    With :attr:`decode` set, steps of only decodes are padded to that set instead (shapes marked
+    ``decode``), every other step to this one: separate prefill and decode graphs.
 
     .. versionadded:: 1.5
+    .. versionchanged:: 1.6
+       ``flat_blocks`` and ``decode``.
     """
 
     tokens: tuple[int, ...]
     seqs: tuple[int, ...]
     blocks_per_seq: tuple[int, ...]
+    #: Buckets of the flat block list's length (the blocks of all the step's sequences, in one
+    #: list: :class:`plinth.platform.backend.FlatBlocks`); empty: the step has no flat list.
+    #:
+    #: .. versionadded:: 1.6
+    flat_blocks: tuple[int, ...] = ()
+    #: The bucket set of decode-only steps (its ``tokens`` and ``seqs`` should be equal: T == B
+    #: there); None: decodes are padded like every other step.
+    #:
+    #: .. versionadded:: 1.6
+    decode: StepBuckets | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", _bucket_values("tokens", tuple(self.tokens)))
         object.__setattr__(self, "seqs", _bucket_values("seqs", tuple(self.seqs)))
         object.__setattr__(self, "blocks_per_seq", _bucket_values("blocks_per_seq", tuple(self.blocks_per_seq)))
+        flat = _bucket_values("flat_blocks", tuple(self.flat_blocks), allow_empty=True)
+        object.__setattr__(self, "flat_blocks", flat)
+        if self.decode is not None:
+            if self.decode.decode is not None:
+                raise ValueError("step buckets: the decode set cannot have a decode set of its own")
+            if not set(self.decode.seqs) & set(self.decode.tokens):
+                raise ValueError(
+                    f"step buckets: the decode set's tokens {self.decode.tokens} and sequences "
+                    f"{self.decode.seqs} share no value (a decode step has T == B)"
+                )
 
     @classmethod
     def powers_of_two(
@@ -317,40 +398,71 @@ class StepBuckets:
             blocks_per_seq=_powers_of_two(min_blocks_per_seq, max_blocks_per_seq),
         )
 
-    @staticmethod
-    def _fit(values: tuple[int, ...], n: int) -> int | None:
-        for v in values:
-            if v >= n:
-                return v
-        return None
-
-    def fit(self, tokens: int, seqs: int, blocks_per_seq: int) -> StepShape | None:
+    def fit(
+        self, tokens: int, seqs: int, blocks_per_seq: int, flat_blocks: int = 0, decode: bool = False
+    ) -> StepShape | None:
         """The shape a step of these sizes is padded to; None when one exceeds the largest bucket.
 
-        B never exceeds T (a sequence has at least one query token), so the sequence bucket is
-        also capped by the token bucket when the two lists allow it.
+        ``flat_blocks`` is the step's total block count (read only with :attr:`flat_blocks`);
+        ``decode`` says every sequence has one query token (the step then goes to :attr:`decode`
+        when there is one).
+
+        .. versionchanged:: 1.6
+           ``flat_blocks`` and ``decode``.
         """
-        t = self._fit(self.tokens, tokens)
-        b = self._fit(self.seqs, seqs)
-        w = self._fit(self.blocks_per_seq, blocks_per_seq)
-        if t is None or b is None or w is None:
+        if decode and self.decode is not None:
+            shape = self.decode.fit(tokens, seqs, blocks_per_seq, flat_blocks)
+            return None if shape is None else shape._replace(decode=True)
+        t = _fit(self.tokens, tokens)
+        b = _fit(self.seqs, seqs)
+        w = _fit(self.blocks_per_seq, blocks_per_seq)
+        nb = _fit(self.flat_blocks, flat_blocks) if self.flat_blocks else 0
+        if t is None or b is None or w is None or nb is None:
             return None
-        return StepShape(t, b, w)
+        return StepShape(t, b, w, nb)
+
+    def _flat_for(self, b_low: int, b: int, w: int) -> list[int]:
+        """The flat-block buckets a step of ``b_low < seqs <= b`` sequences, ``w`` blocks wide, can
+        reach: from the one holding ``b_low + 1`` blocks to the one holding ``b * w``."""
+        if not self.flat_blocks:
+            return [0]
+        low = _fit(self.flat_blocks, b_low + 1) or self.flat_blocks[-1]
+        high = _fit(self.flat_blocks, b * w) or self.flat_blocks[-1]
+        return [nb for nb in self.flat_blocks if low <= nb <= high]
+
+    def _own_shapes(self, decode: bool) -> list[StepShape]:
+        out: list[StepShape] = []
+        for t in self.tokens:
+            if decode:
+                seqs = [t] if t in self.seqs else []
+            else:
+                seqs = [b for b in self.seqs if b <= t] or [self.seqs[0]]
+                bigger = [b for b in self.seqs if b > t]
+                if seqs[-1] < t and bigger:  # B up to T must fit: keep the bucket that holds B = T
+                    seqs.append(bigger[0])
+            for b in seqs:
+                i = self.seqs.index(b)
+                b_low = self.seqs[i - 1] if i else 0
+                for w in self.blocks_per_seq:
+                    for nb in self._flat_for(b_low, b, w):
+                        out.append(StepShape(t, b, w, nb, decode))
+        return out
 
     def shapes(self) -> list[StepShape]:
         """Every shape a step can be padded to, smallest first: each (T, B, W) with B <= T, except
-        that the smallest sequence bucket holding T is kept even above T."""
-        out: list[StepShape] = []
-        for t in self.tokens:
-            seqs = [b for b in self.seqs if b <= t] or [self.seqs[0]]
-            bigger = [b for b in self.seqs if b > t]
-            if seqs[-1] < t and bigger:  # B up to T must fit: keep the bucket that holds B = T
-                seqs.append(bigger[0])
-            for b in seqs:
-                for w in self.blocks_per_seq:
-                    out.append(StepShape(t, b, w))
+        that the smallest sequence bucket holding T is kept even above T; with :attr:`flat_blocks`,
+        each flat-list length a step of B sequences W blocks wide can have; then the decode set's
+        (T == B only).
+
+        .. versionchanged:: 1.6
+           flat-list lengths; the decode set.
+        """
+        out = self._own_shapes(decode=False)
+        if self.decode is not None:
+            out.extend(self.decode._own_shapes(decode=True))
         return out
 
     def largest(self) -> StepShape:
-        """The largest bucket of each kind."""
-        return StepShape(self.tokens[-1], self.seqs[-1], self.blocks_per_seq[-1])
+        """The largest bucket of each kind (of this set, not the decode set)."""
+        nb = self.flat_blocks[-1] if self.flat_blocks else 0
+        return StepShape(self.tokens[-1], self.seqs[-1], self.blocks_per_seq[-1], nb)

@@ -101,8 +101,10 @@ class LLMEngine:
         dtype = config.dtype or services.default_dtype()
         kv_dtype = config.kv_cache_dtype or dtype
         caps = backend.capabilities()
-        block_size = config.block_size or (
-            _PREFERRED_BLOCK_SIZE if _PREFERRED_BLOCK_SIZE in caps.block_sizes else caps.block_sizes[0]
+        block_size = (
+            config.block_size
+            or caps.preferred_block_size
+            or (_PREFERRED_BLOCK_SIZE if _PREFERRED_BLOCK_SIZE in caps.block_sizes else caps.block_sizes[0])
         )
         self.kernels = resolve_kernels(backend, host.kernel_providers(backend.name), dtype, config.strict)
         quant_formats = caps.quant_formats if config.quantization != "none" else frozenset()
@@ -158,6 +160,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
+            mixed_batches=caps.mixed_batches,
+            block_placement=caps.block_placement,
         )
         graphs = None
         #: the static-shape path (API 1.5), where the backend declares step buckets; else None
@@ -208,16 +212,21 @@ class LLMEngine:
     ) -> StaticSteps:
         """The padded, compiled path for a backend that declares ``buckets``; compiles every shape now."""
         config = self.config
-        largest = buckets.largest()
-        short = [
-            f"{what} {have} < {need}"
-            for what, have, need in (
-                ("tokens", largest.tokens, config.max_num_batched_tokens),
-                ("sequences", largest.seqs, config.max_num_seqs),
+        # a step's flat list holds each of its sequences' blocks: at most max_num_seqs full tables
+        max_flat = config.max_num_seqs * max_blocks_per_seq
+        short = []
+        for label, bucket_set, tokens in (("", buckets, config.max_num_batched_tokens), ("decode ", buckets.decode, 0)):
+            if bucket_set is None:
+                continue
+            largest = bucket_set.largest()
+            needs = [
+                ("tokens", largest.tokens, tokens or min(config.max_num_seqs, config.max_num_batched_tokens)),
+                ("sequences", largest.seqs, min(config.max_num_seqs, config.max_num_batched_tokens)),
                 ("blocks per sequence", largest.blocks_per_seq, max_blocks_per_seq),
-            )
-            if have < need
-        ]
+            ]
+            if bucket_set.flat_blocks:
+                needs.append(("flat blocks", largest.flat_blocks, max_flat))
+            short += [f"{label}{what} {have} < {need}" for what, have, need in needs if have < need]
         if short:
             raise InvalidRequest(
                 f"backend {self.backend.name!r} declares step buckets too small for this engine ("

@@ -32,6 +32,7 @@ from plinth.platform.backend import (
     AttentionMetadata,
     CompiledStep,
     DeviceServices,
+    FlatBlocks,
     LinearWeight,
     StepBuckets,
     StepInputs,
@@ -59,7 +60,7 @@ def decode_first(chunks: Sequence[ScheduledChunk[Any]]) -> list[ScheduledChunk[A
 
 def pad_inputs(chunks: Sequence[ScheduledChunk[Any]], shape: StepShape, block_size: int) -> StepInputs:
     """The padded inputs of a step whose ``chunks`` are already in decode-first order."""
-    t_pad, b_pad, w_pad = shape
+    t_pad, b_pad, w_pad = shape.tokens, shape.seqs, shape.blocks_per_seq
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -84,6 +85,9 @@ def pad_inputs(chunks: Sequence[ScheduledChunk[Any]], shape: StepShape, block_si
     query_lens = [starts[i + 1] - starts[i] for i in range(b)]
     distribution = AttentionMetadata.describe(query_lens, seq_lens)
     last = [s - 1 for s in starts[1:]]
+    flat = None
+    if shape.flat_blocks:  # API 1.6: the step's blocks in one list, padded to the shape's length
+        flat = FlatBlocks.build(seq_lens, tables, block_size, shape.flat_blocks, num_seqs=b_pad)
     return StepInputs(
         input_ids=torch.tensor(ids + [0] * (t_pad - t), dtype=torch.int32),
         positions=torch.tensor(positions + [0] * (t_pad - t), dtype=torch.int32),
@@ -96,6 +100,7 @@ def pad_inputs(chunks: Sequence[ScheduledChunk[Any]], shape: StepShape, block_si
         shape=shape,
         num_tokens=t,
         num_seqs=b,
+        flat_blocks=flat,
     )
 
 
@@ -207,6 +212,14 @@ class ModelStepProgram(StepProgram):
             s_host = host.seq_lens.tolist()
             dist = tuple(host.distribution.tolist())
             max_q, max_s = max(q_host), max(s_host)
+        flat = None
+        if shape.flat_blocks:
+            flat = FlatBlocks(
+                inputs["flat_block_list"],
+                inputs["flat_block_groups"],
+                inputs["flat_block_index"],
+                host.flat_blocks.num_blocks if host is not None and host.flat_blocks is not None else 0,
+            )
         return AttentionMetadata(
             query_start_loc=inputs["query_start_loc"],
             seq_lens=inputs["seq_lens"],
@@ -219,6 +232,8 @@ class ModelStepProgram(StepProgram):
             distribution=inputs["distribution"],
             distribution_host=dist,
             traced=host is None,
+            flat_blocks=flat,
+            decode_only=shape.decode,
         )
 
     def _step(
@@ -259,7 +274,13 @@ def default_progress(done: int, total: int, shape: StepShape) -> None:
         end = "\n" if done == total else ""
         print(f"\rcompiling step shapes [{bar:<24}] {done}/{total}", end=end, file=sys.stderr, flush=True)
     if done == total or done % max(1, total // 10) == 0:
-        logger.info("compiled %d/%d step shapes (last: %d tokens, %d seqs, %d blocks)", done, total, *shape)
+        logger.info(
+            "compiled %d/%d step shapes (last: %d tokens, %d seqs, %d blocks, %d flat blocks%s)",
+            done,
+            total,
+            *shape[:4],
+            ", decode" if shape.decode else "",
+        )
 
 
 class StaticSteps:
@@ -321,13 +342,15 @@ class StaticSteps:
 
     def run(self, chunks: Sequence[ScheduledChunk[Any]]) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` of the decode-first ordered ``chunks``."""
-        width = max(-(-(c.start_position + len(c.token_ids)) // self.block_size) for c in chunks)
+        blocks = [-(-(c.start_position + len(c.token_ids)) // self.block_size) for c in chunks]
         tokens = sum(len(c.token_ids) for c in chunks)
-        shape = self.buckets.fit(tokens, len(chunks), width)
+        decode = tokens == len(chunks)
+        shape = self.buckets.fit(tokens, len(chunks), max(blocks), sum(blocks), decode)
         if shape is None:
+            largest = (self.buckets.decode if decode and self.buckets.decode else self.buckets).largest()
             raise ValueError(
-                f"a step of {tokens} tokens, {len(chunks)} sequences and "
-                f"{width} blocks per sequence exceeds the backend's largest bucket {tuple(self.buckets.largest())}"
+                f"a step of {tokens} tokens, {len(chunks)} sequences, {max(blocks)} blocks per sequence and "
+                f"{sum(blocks)} blocks in all exceeds the backend's largest bucket {tuple(largest)}"
             )
         inputs = pad_inputs(chunks, shape, self.block_size)
         before = self.compilations

@@ -46,10 +46,14 @@ class KVCacheManager:
     in that range that can be shared (ref count > 1) is the last, partial block after a ``fork``.
     ``allocate_slots`` gives such a block a private copy first (copy-on-write) and records the
     ``(src, dst)`` pair, collected with ``take_block_copies`` for the runner to copy before the step.
+
+    ``block_placement`` is the pool's (``"any"`` or ``"contiguous"``: see ``plinth.sched.block_pool``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.pool = BlockPool(num_blocks, block_size)
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, block_placement: str = "any"
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size, block_placement)
         self.block_size = block_size
         self._prefix: PrefixCache = HashPrefixCache(self.pool) if enable_prefix_caching else NoPrefixCache()
         self._tables: dict[SequenceId, list[KVBlock]] = {}

@@ -20,6 +20,7 @@ from typing import Generic
 
 from plinth.sched.kv_cache_manager import KVCacheManager
 from plinth.sched.output import EngineFinishes, ScheduledChunk, SchedulerOutput
+from plinth.sched.phase import DECODE, AlternatingPhases, MixedBatches, Phase, PhasePolicy, has_decode_work
 from plinth.sched.request import P, Request, RequestStatus, Sample, SequenceId
 
 
@@ -56,6 +57,14 @@ class Scheduler(Generic[P]):
         remaining tokens fit in the step's budget.
     :param long_prefill_token_threshold: when > 0, at most this many tokens per request per step,
         so one long prompt cannot take a whole step from the decodes.
+    :param mixed_batches: when False, no step mixes decode work (running requests with exactly 1
+        token left) with prefill work (more than 1 left, or admitted from the waiting queue): each
+        step is a decode step or a prefill step. When both kinds are ready the phases alternate
+        with the previous non-empty step's, so neither starves (decodes run at least every other
+        step while prompts keep arriving); see ``plinth.sched.phase``. ``last_phase`` names the
+        phase of the last output ("decode" / "prefill"; None when mixed or empty).
+    :param block_placement: the block pool's placement, ``"any"`` or ``"contiguous"`` (lowest free
+        block ids first); see ``plinth.sched.block_pool``.
 
     ``P`` is the type of the requests' sampling parameters, passed through to the runner untouched.
     """
@@ -70,6 +79,8 @@ class Scheduler(Generic[P]):
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        mixed_batches: bool = True,
+        block_placement: str = "any",
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(
@@ -96,7 +107,10 @@ class Scheduler(Generic[P]):
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, block_placement)
+        self.mixed_batches = mixed_batches
+        self._phases: PhasePolicy = MixedBatches() if mixed_batches else AlternatingPhases()
+        self.last_phase: Phase | None = None  # the phase of the last output; None: mixed, or empty
         self.waiting: deque[Request[P]] = deque()
         self.running: list[Request[P]] = []
         self._requests: dict[SequenceId, Request[P]] = {}  # every unfinished sequence
@@ -308,14 +322,27 @@ class Scheduler(Generic[P]):
         # A chunk that reaches num_tokens samples: 1 token, or n the first time a request with n > 1
         # gets there (update() forks it into the sequences its samples name). num_computed_tokens
         # advances here, optimistically.
+        # Without mixed batches, steps 1 and 2 run in one phase (plinth.sched.phase): a decode step
+        # takes only running requests with 1 token left and admits nobody; a prefill step takes
+        # only running requests with more left, then admits as in 2. Others are skipped, never
+        # preempted for it. A preferred phase that neither schedules nor preempts anything hands
+        # the step to the other phase (one retry, no loop).
         if self._pending is not None:
             raise RuntimeError("schedule() called before update() got the previous step's output")
         scheduled: list[ScheduledChunk[P]] = []
         requests: list[Request[P]] = []
         preempted: list[SequenceId] = []
-        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, requests, preempted)
-        if not preempted:  # admitting now would hand the blocks just freed to someone else
-            budget = self._schedule_waiting(budget, scheduled, requests)
+        budget = self.max_num_batched_tokens
+        phase: Phase | None = None
+        for phase in self._phases.order(self.running, bool(self.waiting)):
+            budget = self._schedule_running(budget, scheduled, requests, preempted, phase)
+            if not preempted and phase != DECODE:  # admitting now would hand the blocks just freed to someone else
+                budget = self._schedule_waiting(budget, scheduled, requests)
+            if scheduled or preempted:
+                break
+        self.last_phase = phase if scheduled else None
+        if scheduled:
+            self._phases.ran(phase)
         finished: list[SequenceId] = []
         if scheduled:  # an empty output reaches no runner: keep the finishes for the next one
             finished, self._finished = self._finished, finished
@@ -337,12 +364,19 @@ class Scheduler(Generic[P]):
         scheduled: list[ScheduledChunk[P]],
         requests: list[Request[P]],
         preempted: list[SequenceId],
+        phase: Phase | None = None,
     ) -> int:
-        """Step 1 of ``schedule()``: running requests, preempting from the tail. Returns the budget left."""
+        """Step 1 of ``schedule()``: running requests, preempting from the tail. Returns the budget left.
+
+        With a ``phase``, requests whose work is of the other kind are skipped.
+        """
         kv = self.kv_cache_manager
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
             request = self.running[i]
+            if phase is not None and has_decode_work(request) != (phase == DECODE):
+                i += 1
+                continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             block_ids = kv.allocate_slots(request, num_new)
             while block_ids is None:

@@ -205,7 +205,7 @@ def test_padded_steps_give_the_reference_tokens_with_forks_chunks_and_prefix_hit
 
 def test_buckets_too_small_for_the_engine_are_refused_naming_what(folder: Path) -> None:
     small = StaticReference(StepBuckets(tokens=(8,), seqs=(4,), blocks_per_seq=(2,)))
-    with pytest.raises(InvalidRequest, match=r"tokens 8 < 16, sequences 4 < 64, blocks per sequence 2 < 32"):
+    with pytest.raises(InvalidRequest, match=r"tokens 8 < 16, sequences 4 < 16, blocks per sequence 2 < 32"):
         _engine(folder, small, max_num_batched_tokens=16, max_model_len=128)
 
 
