@@ -57,6 +57,10 @@ def _row(cert: dict[str, Any]) -> list[str]:
     ]
 
 
+#: The hardware backends plinth's design names (the matrix says which lack a certificate).
+PLATFORM_BACKENDS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu", "gaudi", "metal")
+
+
 def render_matrix(certs: list[dict[str, Any]]) -> str:
     """The Markdown page for ``certs``."""
     head = [
@@ -76,11 +80,13 @@ def render_matrix(certs: list[dict[str, Any]]) -> str:
     lines += ["| " + " | ".join(_row(c)) + " |" for c in certs]
     if not certs:
         lines.append("| (no certificates) |" + " |" * (len(head) - 1))
-    lines += [
-        "",
-        "Backends without a certificate (Gaudi) are not written yet.",
-        "",
-    ]
+    have = {c.get("backend", {}).get("name") for c in certs}
+    missing = [b for b in PLATFORM_BACKENDS if b not in have]
+    if missing:
+        tail = f"Hardware backends the platform names without a certificate: {', '.join(missing)}."
+    else:
+        tail = f"Every hardware backend the platform names ({', '.join(PLATFORM_BACKENDS)}) has a certificate."
+    lines += ["", tail, ""]
     return "\n".join(lines)
 
 

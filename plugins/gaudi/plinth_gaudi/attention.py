@@ -21,7 +21,9 @@ contract's default layout: ``cache[0]`` and ``cache[1]`` are each one contiguous
 is static-shape too: padding tokens (slot -1) write slot 0's own value back to it (slot 0 is the
 null block's, which the scheduler never hands out), so one ``index_copy`` of every token serves.
 
-The softmax runs in float32 whatever the compute dtype.
+Slots past a sequence's length (the last block's tail, padding entries) are zeroed before they
+meet a matmul: whatever a stale slot holds (NaN included) never reaches an output. The softmax
+runs in float32 whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def flat_decode(
     if sliding_window is not None:
         valid &= pos > lens[:, None] - 1 - sliding_window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    values = values.masked_fill(~valid[:, :, None, None], 0)  # a stale slot's NaN must not reach 0 * NaN
     block_max = scores.amax(-1)  # [NB, Hkv, G]; -inf for a block with no valid slot
     group_max = torch.full((b + 1, hkv, g), float("-inf"), device=query.device)
     group_max = group_max.scatter_reduce(0, groups[:, None, None].expand(nb, hkv, g), block_max, "amax")
@@ -134,7 +137,10 @@ def flat_prefill(
     k_seq = flat.block_groups.long().repeat_interleave(bs)  # [K]
     k_pos = (flat.block_index.long()[:, None] * bs + torch.arange(bs, device=device)).reshape(-1)
     allowed = (k_seq[None, :] == seq[:, None]) & (k_pos[None, :] <= q_pos[:, None])
-    allowed &= (k_pos < lens.index_select(0, k_seq))[None, :]
+    live = k_pos < lens.index_select(0, k_seq)  # [K]: slots inside their sequence
+    allowed &= live[None, :]
+    keys = keys.masked_fill(~live[:, None, None], 0)  # stale slots (NaN garbage) never reach a score
+    values = values.masked_fill(~live[:, None, None], 0)
     if sliding_window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
     # a padding token's row would be all masked (NaN in SDPA): let it see key 0; its output is dropped
