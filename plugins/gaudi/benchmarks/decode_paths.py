@@ -12,10 +12,12 @@ side by side, as timings on a shared host are only comparable within one run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from plinth_gaudi.attention import flat_decode
@@ -42,7 +44,7 @@ def padded_gather(
     )
 
 
-def _time(fn, repeats: int) -> float:  # noqa: ANN001
+def _time(fn: Callable[[], object], repeats: int) -> float:
     fn()
     out = []
     for _ in range(repeats):
@@ -62,9 +64,8 @@ def main() -> None:
         "1 x 4096 + 63 x 128 (skewed)": [4096] + [128] * 63,
         "8 x 512 (small batch)": [512] * 8,
     }
-    print(
-        f"host: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}"
-    )
+    host = platform.processor() or platform.machine()
+    print(f"host: {host}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
     print("| batch | flat paged attention (ms) | padded gather (ms) | padded / flat | blocks read: flat / padded |")
     print("|---|---|---|---|---|")
     for name, lens_list in mixes.items():
@@ -85,8 +86,8 @@ def main() -> None:
         a = flat_decode(q, k, v, flat, lens, HEAD**-0.5)
         b = padded_gather(q, k, v, table_t, lens.long())
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
-        t_flat = _time(lambda: flat_decode(q, k, v, flat, lens, HEAD**-0.5), args.repeats)
-        t_pad = _time(lambda: padded_gather(q, k, v, table_t, lens.long()), args.repeats)
+        t_flat = _time(functools.partial(flat_decode, q, k, v, flat, lens, HEAD**-0.5), args.repeats)
+        t_pad = _time(functools.partial(padded_gather, q, k, v, table_t, lens.long()), args.repeats)
         print(f"| {name} | {t_flat:.2f} | {t_pad:.2f} | {t_pad / t_flat:.2f} | {total} / {len(lens_list) * width} |")
 
 
