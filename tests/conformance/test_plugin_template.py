@@ -117,4 +117,22 @@ def test_the_static_shape_variant_declares_buckets_the_engine_accepts(tmp_path: 
     finally:
         sys.path.remove(str(dest))
     assert isinstance(buckets, StepBuckets)
-    assert buckets.largest() == (1024, 64, 128) and buckets.tokens[0] == 16 and buckets.blocks_per_seq == (128,)
+    assert buckets.largest()[:3] == (1024, 64, 128) and buckets.tokens[0] == 16 and buckets.blocks_per_seq == (128,)
+    assert buckets.decode is None and not buckets.flat_blocks
+
+
+def test_the_separate_phases_variant_declares_a_decode_set_and_unmixed_steps(tmp_path: Path) -> None:
+    """``separate_phases=true`` (API 1.6) adds a decode set, flat block lists and ``mixed_batches=False``."""
+    import importlib
+
+    dest = render_plugin("phased_npu", tmp_path, data={"static_shapes": True, "separate_phases": True})
+    sys.path.insert(0, str(dest))
+    try:
+        backend = importlib.import_module("plinth_phased_npu.backend").PhasedNpuBackend()
+        buckets = backend.step_buckets(1024, 64, 128)
+    finally:
+        sys.path.remove(str(dest))
+    assert not backend.capabilities().mixed_batches
+    assert buckets.decode is not None and buckets.decode.tokens == buckets.decode.seqs == (1, 2, 4, 8, 16, 32, 64)
+    assert buckets.flat_blocks[-1] >= 64 * 128 and buckets.largest()[:3] == (1024, 64, 128)
+    assert all(s.tokens == s.seqs for s in buckets.shapes() if s.decode)
