@@ -45,6 +45,10 @@ class EngineConfig:
     - ``quantization``: "auto" keeps a checkpoint's quantized weights where the backend multiplies
       them natively; "none" dequantizes everything to dtype; "int8" also quantizes floating-point
       linear weights to q8_0.
+    - ``tensor_parallel_size`` (1-64): ranks the model is split over (rank 0 here, the others as
+      worker processes on this host over ``torch.distributed``); see docs/scale-out.md.
+    - ``distributed_timeout_s``: how long a collective waits for a rank before the engine fails
+      (a dead worker fails it at once; a hung one at this timeout).
     """
 
     model: str | None = None
@@ -65,6 +69,8 @@ class EngineConfig:
     enforce_eager: bool = False
     compile_cache_dir: str | None = None
     quantization: Literal["auto", "none", "int8"] = "auto"
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -89,6 +95,8 @@ class EngineConfig:
             "enforce_eager": check_bool(owner, "enforce_eager", self.enforce_eager),
             "compile_cache_dir": check_str(owner, "compile_cache_dir", self.compile_cache_dir, optional=True),
             "quantization": check_str(owner, "quantization", self.quantization, choices=QUANTIZATION_CHOICES),
+            "tensor_parallel_size": check_int(owner, "tensor_parallel_size", self.tensor_parallel_size, ge=1, le=64),
+            "distributed_timeout_s": check_float(owner, "distributed_timeout_s", self.distributed_timeout_s, gt=0),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)

@@ -15,8 +15,8 @@ QUANTIZATION_HELP = (
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model --backend --dtype --threads --quantization --enforce-eager``: what selects the model
-    and its kernels."""
+    """``--model --backend --dtype --threads --quantization --enforce-eager --tensor-parallel-size
+    --distributed-timeout``: what selects the model, its kernels and how many ranks run it."""
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
@@ -28,6 +28,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly: no step graphs for decode steps (see docs/architecture.md)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="split the model over N ranks: this process and N-1 workers on this host (docs/scale-out.md)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long a collective waits for a rank before the engine fails (default 60)",
     )
 
 
@@ -82,6 +96,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "num_threads": args.threads,
         "quantization": args.quantization,
         "enforce_eager": args.enforce_eager,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_timeout_s": args.distributed_timeout,
     }
     for field in (
         "max_model_len",

@@ -42,6 +42,7 @@ _PLUGIN_STRING = re.compile(rf"^plinth_(?:{'|'.join(BACKEND_NAMES)}|triton|ipex)
 ALLOWED: dict[tuple[str, str], str] = {
     # torch's name for host memory, defined once; every other core module uses HOST.
     ("platform/devices.py", "string 'cpu'"): "host memory, not the cpu backend",
+    ("platform/devices.py", "string 'gloo'"): "torch.distributed's host-memory collectives (the control group)",
 }
 
 

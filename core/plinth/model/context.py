@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, GemmKernels, SmallOps
 from plinth.platform.devices import HOST
+
+if TYPE_CHECKING:
+    from plinth.parallel.sharding import TensorParallel
 
 
 @dataclass(slots=True)
@@ -31,6 +35,7 @@ class ModelKernels:
     ``device`` is where weights and rotary tables are placed. ``quant_formats`` are the block
     formats the GEMM takes natively (weights in other formats are dequantized at load);
     ``quantize`` ("q8_0") quantizes floating-point linear weights at load, None keeps them.
+    ``tp`` is this rank's tensor-parallel slice and collectives (None: one process holds the model).
     """
 
     gemm: GemmKernels
@@ -39,3 +44,4 @@ class ModelKernels:
     device: torch.device = HOST
     quant_formats: frozenset[str] = frozenset()
     quantize: str | None = None
+    tp: TensorParallel | None = None

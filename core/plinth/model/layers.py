@@ -20,9 +20,15 @@ from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` through the backend GEMM, on a weight prepared once at load time."""
+    """``y = x @ W.T (+ b)`` through the backend GEMM, on a weight prepared once at load time.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, kernels: ModelKernels) -> None:
+    ``row_parallel`` (under tensor parallelism): the weight is this rank's slice of the input dim,
+    so the product is a partial sum: it is all-reduced over the ranks and the bias added once, after.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, kernels: ModelKernels, *, row_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -31,6 +37,8 @@ class Linear(nn.Module):
         self.quant_formats = kernels.quant_formats
         self.quantize = kernels.quantize
         self.weight: LinearWeight | None = None
+        self.reduce = kernels.tp.comm if row_parallel and kernels.tp is not None else None
+        self.reduced_bias: torch.Tensor | None = None  # row-parallel: added after the all-reduce
 
     def load(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         """Prepare ``weight`` [N, K] (and ``bias`` [N]) with the backend GEMM.
@@ -42,6 +50,8 @@ class Linear(nn.Module):
             raise ValueError(f"weight shape {tuple(weight.shape)} != expected {(self.out_features, self.in_features)}")
         if (bias is not None) != self.has_bias:
             raise ValueError(f"bias {'missing' if bias is None else 'unexpected'} for this layer")
+        if self.reduce is not None:  # the bias joins after the reduction, not in each rank's GEMM
+            self.reduced_bias, bias = bias, None
         if isinstance(weight, torch.Tensor) and self.quantize == "q8_0" and self.in_features % 32 == 0:
             weight = quantize_q8_0(weight)
         if isinstance(weight, QuantizedWeight):
@@ -55,7 +65,11 @@ class Linear(nn.Module):
         """``x`` [T, K] -> [T, N]."""
         if self.weight is None:
             raise RuntimeError("Linear used before its weight was loaded")
-        return self.gemm.linear(x, self.weight)
+        y = self.gemm.linear(x, self.weight)
+        if self.reduce is None:
+            return y
+        y = self.reduce.all_reduce(y)
+        return y if self.reduced_bias is None else y + self.reduced_bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}"
@@ -169,7 +183,7 @@ class Attention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, kernels)
-        self.o_proj = Linear(self.q_size, hidden_size, out_bias, kernels)
+        self.o_proj = Linear(self.q_size, hidden_size, out_bias, kernels, row_parallel=True)
         self.rotary = rotary
         self.attn_kernels = attn_kernels
 
@@ -197,7 +211,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, kernels: ModelKernels) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, kernels)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels, row_parallel=True)
         self.ops = kernels.ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

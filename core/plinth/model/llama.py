@@ -138,6 +138,17 @@ class LlamaForCausalLM(nn.Module):
         """The embedding rows of ``input_ids`` [T] -> [T, hidden] (into ``out`` when given)."""
         table = self.embed_tokens
         assert table is not None, "forward before load_weights"
+        tp = self.kernels.tp
+        if tp is not None:  # vocab-parallel: this rank's rows, zeros for the others', summed over ranks
+            local = input_ids - tp.plan.vocab_start
+            mine = (local >= 0) & (local < tp.plan.vocab_shard)
+            local = torch.where(mine, local, torch.zeros_like(local))
+            if isinstance(table, QuantizedWeight):
+                rows = dequantize(table.rows(local.to(HOST))).to(device=self.device, dtype=self.dtype)
+            else:
+                rows = table.index_select(0, local)
+            rows = tp.comm.all_reduce(rows * mine[:, None].to(rows.dtype))
+            return rows if out is None else out.copy_(rows)
         if isinstance(table, QuantizedWeight):  # a few rows' blocks, not the whole table, dequantized
             rows = dequantize(table.rows(input_ids.to(HOST))).to(device=self.device, dtype=self.dtype)
             return rows if out is None else out.copy_(rows)
@@ -159,7 +170,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [S, hidden] (the rows that sample) -> logits [S, vocab]."""
-        return self.lm_head.forward(hidden)
+        logits = self.lm_head.forward(hidden)
+        tp = self.kernels.tp
+        if tp is None:
+            return logits
+        # vocab-parallel: every rank's slice, in rank order, less the padding rows
+        return tp.comm.all_gather(logits, dim=-1)[:, : tp.plan.vocab_size]
 
     # -- weights -----------------------------------------------------------------------------------
 

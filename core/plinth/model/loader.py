@@ -136,6 +136,8 @@ def load_model(
     :param kv_cache_dtype: KV-cache dtype name, for each layer's :class:`AttentionSpec`.
     :param allow_pickle: read ``*.bin``/``*.pt`` checkpoints (with ``weights_only=True``).
     :returns: ``(model, config)``; the model is e.g. a :class:`plinth.model.llama.LlamaForCausalLM`.
+        With ``kernels.tp`` the model is that rank's shard (its weights sliced as they are read);
+        ``config`` is still the whole model's.
     """
     start = time.perf_counter()
     weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
@@ -146,7 +148,13 @@ def load_model(
         gguf = _gguf_file(source.path)
         config = gguf_config(gguf)
         weights = gguf_weights(gguf, config, kernels.quant_formats)
-    model = model_class(config.architecture)(config, kernels, dtype, block_size, kv_cache_dtype)
+    shape = config
+    if kernels.tp is not None:  # this rank's slice: its heads, intermediate and vocabulary rows
+        from plinth.parallel.sharding import shard_weights
+
+        shape = kernels.tp.plan.local_config(config)
+        weights = shard_weights(weights, kernels.tp.plan)
+    model = model_class(config.architecture)(shape, kernels, dtype, block_size, kv_cache_dtype)
     model.load_weights(weights)
     logger.info("loaded %s (%s) in %.1fs", source.name, config.architecture, time.perf_counter() - start)
     return model, config

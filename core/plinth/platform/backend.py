@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from plinth.platform.devices import HOST
+from plinth.platform.devices import HOST, HOST_COLLECTIVES
 from plinth.platform.quant import QuantizedWeight, dequantize
 
 # The torch-free value objects live in plinth.platform.values (discovery imports them without
@@ -40,6 +40,7 @@ __all__ = [
     "CANONICAL_KV_DIMS",
     "Capabilities",
     "CompiledStep",
+    "Communicator",
     "DeviceServices",
     "FlatBlocks",
     "GemmKernels",
@@ -705,6 +706,46 @@ class CompiledStep(ABC):
         for tests and debugging, never called in the step loop."""
 
 
+class Communicator(ABC):
+    """Collectives over one group of ranks, each driving one device (tensor and pipeline parallelism).
+
+    A backend supplies one for its device group through :meth:`DeviceServices.communicator`; the
+    default is ``torch.distributed`` over a process group of the backend's declared
+    ``Capabilities.communicator`` (gloo when none is declared). Every method is collective: each rank
+    of the group calls it, in the same order, with tensors of the same shape and dtype.
+
+    .. versionadded:: 1.7
+    """
+
+    #: This process's rank in the group, and the group's size.
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (any strides); returns it."""
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim``, rank order (a new tensor)."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``src``'s ``tensor`` on every rank, in place; returns it."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+
+    @abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst`` (which calls :meth:`recv`)."""
+
+    @abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into ``tensor`` (its shape and dtype: the sender's) from rank ``src``; returns it."""
+
+
 class DeviceServices:
     """Device-level services: where tensors live, how much memory is free, step graphs.
 
@@ -784,6 +825,27 @@ class DeviceServices:
         .. versionadded:: 1.5
         """
         return None
+
+    def device_for_rank(self, local_rank: int) -> torch.device:
+        """The device the ``local_rank``-th rank on this host drives (the default: :attr:`device`
+        for every rank, as on the CPU; a GPU backend returns ``cuda:<local_rank>``).
+
+        .. versionadded:: 1.7
+        """
+        return self.device
+
+    def communicator(self, world_size: int, rank: int, backend: str | None) -> Communicator:
+        """The collectives of this rank's device group, once ``torch.distributed`` is initialised
+        (the core does that, with a CPU group it keeps for its own control messages).
+
+        ``backend`` is the backend's ``Capabilities.communicator`` ("gloo", "nccl", "hccl", ...; None:
+        gloo). The default makes a new ``torch.distributed`` group of that backend over every rank.
+
+        .. versionadded:: 1.7
+        """
+        from plinth.parallel.comm import TorchDistributedCommunicator
+
+        return TorchDistributedCommunicator.new_group(world_size, rank, backend or HOST_COLLECTIVES)
 
     def begin_graph_capture(self) -> GraphCapture | None:
         """Start recording kernel calls into a :class:`StepGraph`; None (the default) where the

@@ -12,3 +12,7 @@ import torch
 
 #: Host memory, where checkpoints are read and the reference backend computes.
 HOST = torch.device("cpu")
+
+#: torch.distributed's backend for host memory: the core's control group (each step's scheduler output
+#: is broadcast over it) and the default device group of a backend that declares no communicator.
+HOST_COLLECTIVES = "gloo"

@@ -11,16 +11,21 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from plinth.config import EngineConfig, compile_cache_dir
+from plinth.model.config import ModelConfig
 from plinth.model.context import ModelKernels
-from plinth.model.loader import load_model, load_tokenizer, resolve_model
+from plinth.model.loader import ModelSource, load_config, load_model, load_tokenizer, resolve_model
 from plinth.model.tokenizer import IncrementalDetokenizer
-from plinth.platform.backend import AttentionSpec, Backend, DeviceServices, StepBuckets, torch_dtype
+from plinth.parallel.comm import CollectiveError
+from plinth.parallel.executor import MultiprocExecutor, WorkerFailure, WorkerSetup, default_threads
+from plinth.parallel.sharding import ShardingError, ShardPlan, TensorParallel
+from plinth.platform.backend import AttentionSpec, Backend, Capabilities, DeviceServices, StepBuckets, torch_dtype
 from plinth.platform.host import BackendStatus, PluginHost, default_host
-from plinth.platform.kernels import resolve_kernels
+from plinth.platform.kernels import KernelSet, resolve_kernels
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from plinth.runtime.runner import ModelRunner
@@ -58,6 +63,88 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(slots=True)
+class ModelParts:
+    """What every rank builds the same way: the backend, its kernels and (its shard of) the model."""
+
+    status: BackendStatus
+    backend: Backend
+    services: DeviceServices
+    caps: Capabilities
+    kernels: KernelSet
+    model: Any
+    model_config: ModelConfig
+    source: ModelSource
+    dtype: str
+    kv_dtype: str
+    block_size: int
+    seconds: dict[str, float]
+
+
+def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_size: int = 1) -> ModelParts:
+    """Select the backend, resolve its kernels and load the model: all of it, or with
+    ``world_size > 1`` rank ``rank``'s tensor-parallel shard (``torch.distributed`` already joined).
+
+    :raises InvalidRequest: a quantization the backend cannot run, or a model that does not split.
+    """
+    t0 = time.monotonic()
+    status = host.select(config.backend)
+    backend = status.backend
+    services = backend.device_services()
+    if config.num_threads is not None:  # before any kernels are asked for, so they start with it
+        services.set_num_threads(config.num_threads)
+    dtype = config.dtype or services.default_dtype()
+    kv_dtype = config.kv_cache_dtype or dtype
+    caps = backend.capabilities()
+    block_size = (
+        config.block_size
+        or caps.preferred_block_size
+        or (_PREFERRED_BLOCK_SIZE if _PREFERRED_BLOCK_SIZE in caps.block_sizes else caps.block_sizes[0])
+    )
+    kernels = resolve_kernels(backend, host.kernel_providers(backend.name), dtype, config.strict)
+    quant_formats = caps.quant_formats if config.quantization != "none" else frozenset()
+    if config.quantization == "int8" and "q8_0" not in quant_formats:
+        raise InvalidRequest(
+            f"quantization 'int8' needs a backend that multiplies q8_0 weights; {backend.name} declares "
+            f"{', '.join(sorted(caps.quant_formats)) or 'no quantized formats'}"
+        )
+    seconds = {"backend": time.monotonic() - t0}
+    lap = time.monotonic()
+    source = resolve_model(config.model)
+    tp = None
+    if world_size > 1:
+        try:
+            plan = ShardPlan.for_config(load_config(source), rank, world_size)
+        except ShardingError as e:
+            raise InvalidRequest(str(e)) from None
+        device = services.device_for_rank(rank)
+        if device != services.device:
+            raise InvalidRequest(
+                f"backend {backend.name!r} maps rank {rank} to {device}: per-rank devices are not wired in yet"
+            )
+        tp = TensorParallel(plan, services.communicator(world_size, rank, caps.communicator))
+    model, model_config = load_model(
+        source,
+        ModelKernels(
+            gemm=kernels.gemm,
+            ops=kernels.ops,
+            attention=kernels.attention,
+            device=services.device,
+            quant_formats=quant_formats,
+            quantize="q8_0" if config.quantization == "int8" else None,
+            tp=tp,
+        ),
+        dtype=torch_dtype(dtype),
+        block_size=block_size,
+        kv_cache_dtype=kv_dtype,
+        allow_pickle=config.allow_pickle,
+    )
+    seconds["weights"] = time.monotonic() - lap
+    return ModelParts(
+        status, backend, services, caps, kernels, model, model_config, source, dtype, kv_dtype, block_size, seconds
+    )
+
+
+@dataclass(slots=True)
 class _Sequence:
     """Engine-side state of one sequence: detokenizer, logprobs, stop-string scan."""
 
@@ -91,48 +178,42 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, host: PluginHost | None = None) -> None:
         self.config = config = config or EngineConfig()
+        tp = config.tensor_parallel_size
+        #: the tensor-parallel workers (ranks 1..N-1), started first so they load alongside rank 0
+        self.executor: MultiprocExecutor | None = None
+        if tp > 1:
+            self.executor = MultiprocExecutor(config, tp)
+            torch.set_num_threads(config.num_threads or default_threads(tp))
+        try:
+            self._start(config, host or default_host())
+        except BaseException:
+            self.close()
+            raise
+
+    #: Set when the engine cannot step any more (a tensor-parallel rank died or hung): every later
+    #: ``step`` raises it again. A server then fails what is in flight and exits non-zero.
+    fatal: WorkerFailure | None = None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; a single-process engine has none)."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def _start(self, config: EngineConfig, host: PluginHost) -> None:
         t0 = time.monotonic()
-        host = host or default_host()
-        self.backend_status: BackendStatus = host.select(config.backend)
-        backend = self.backend = self.backend_status.backend
-        services = backend.device_services()
-        if config.num_threads is not None:  # before any kernels are asked for, so they start with it
-            services.set_num_threads(config.num_threads)
-        dtype = config.dtype or services.default_dtype()
-        kv_dtype = config.kv_cache_dtype or dtype
-        caps = backend.capabilities()
-        block_size = (
-            config.block_size
-            or caps.preferred_block_size
-            or (_PREFERRED_BLOCK_SIZE if _PREFERRED_BLOCK_SIZE in caps.block_sizes else caps.block_sizes[0])
-        )
-        self.kernels = resolve_kernels(backend, host.kernel_providers(backend.name), dtype, config.strict)
-        quant_formats = caps.quant_formats if config.quantization != "none" else frozenset()
-        if config.quantization == "int8" and "q8_0" not in quant_formats:
-            raise InvalidRequest(
-                f"quantization 'int8' needs a backend that multiplies q8_0 weights; {backend.name} declares "
-                f"{', '.join(sorted(caps.quant_formats)) or 'no quantized formats'}"
-            )
+        tp = config.tensor_parallel_size
+        parts = load_parts(config, host, rank=0, world_size=tp)
+        self.backend_status = parts.status
+        backend = self.backend = parts.backend
+        services = parts.services
+        caps = parts.caps
+        block_size = parts.block_size
+        self.kernels = parts.kernels
+        self.model, self.model_config = parts.model, parts.model_config
+        dtype, kv_dtype = parts.dtype, parts.kv_dtype
+        source = parts.source
         #: seconds per start-up phase ("backend", "weights", "tokenizer", "kv_cache"), for cold-start reports
-        self.startup_seconds: dict[str, float] = {"backend": time.monotonic() - t0}
-        lap = time.monotonic()
-        source = resolve_model(config.model)
-        self.model, self.model_config = load_model(
-            source,
-            ModelKernels(
-                gemm=self.kernels.gemm,
-                ops=self.kernels.ops,
-                attention=self.kernels.attention,
-                device=services.device,
-                quant_formats=quant_formats,
-                quantize="q8_0" if config.quantization == "int8" else None,
-            ),
-            dtype=torch_dtype(dtype),
-            block_size=block_size,
-            kv_cache_dtype=kv_dtype,
-            allow_pickle=config.allow_pickle,
-        )
-        self.startup_seconds["weights"] = time.monotonic() - lap
+        self.startup_seconds: dict[str, float] = dict(parts.seconds)
         lap = time.monotonic()
         self.tokenizer = load_tokenizer(source)
         self.startup_seconds["tokenizer"] = time.monotonic() - lap
@@ -148,6 +229,8 @@ class LLMEngine:
                 )
             logger.warning("KV cache holds %d tokens: context length lowered to that", fits)
             self.max_model_len = fits
+        if self.executor is not None:  # every rank allocates the same number of blocks for its heads
+            self.executor.broadcast(WorkerSetup(num_blocks, block_size, dtype, kv_dtype))
         lap = time.monotonic()
         kv_caches = allocate_kv_caches(backend, specs, num_blocks, prefault=config.kv_cache_prefault)
         self.startup_seconds["kv_cache"] = time.monotonic() - lap
@@ -168,9 +251,13 @@ class LLMEngine:
         self.static: StaticSteps | None = None
         max_blocks_per_seq = -(-self.max_model_len // block_size)
         buckets = backend.step_buckets(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq)
+        if buckets is not None and tp > 1:
+            raise InvalidRequest(
+                f"backend {backend.name!r} compiles static-shape steps: tensor parallelism does not drive those yet"
+            )
         if buckets is not None:
             self.static = self._static_steps(buckets, kv_caches, services, block_size, max_blocks_per_seq)
-        elif not config.enforce_eager:
+        elif not config.enforce_eager and tp == 1:  # step graphs replay one process's kernels only
             graphs = DecodeGraphs(
                 self.model,
                 services,
@@ -258,6 +345,8 @@ class LLMEngine:
             budget = int(self.config.kv_cache_memory_gb * (1 << 30))
         else:
             free, _total = self.backend.device_services().memory_info()
+            # tensor-parallel ranks on one host share its memory: each sizes its cache from its share
+            free //= self.config.tensor_parallel_size
             budget = min(int(free * _DEFAULT_KV_FRACTION), _MAX_DEFAULT_KV_BYTES)
         # never more than enough for max_num_seqs full contexts (+1 for the null block)
         needed = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
@@ -372,7 +461,19 @@ class LLMEngine:
             group = self._groups.get(chunk.seq_id.request_id)
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = started
-        results = self.runner.execute(sched_out)
+        if self.fatal is not None:
+            raise self.fatal
+        try:
+            if self.executor is not None:  # the workers run the same step on their shards, in lockstep
+                self.executor.broadcast(sched_out)
+            results = self.runner.execute(sched_out)
+        except CollectiveError as e:  # a rank died or hung inside the forward's collectives
+            assert self.executor is not None
+            self.fatal = WorkerFailure(self.executor.diagnose(str(e)))
+            raise self.fatal from e
+        except WorkerFailure as e:
+            self.fatal = e
+            raise
         sampled = {seq_id: r.token_id for seq_id, r in results.items()}
         advanced = self.scheduler.update(sched_out, sampled)
         now = time.monotonic()

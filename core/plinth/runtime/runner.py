@@ -45,6 +45,8 @@ class ModelRunner:
     :param sampler: default: a :class:`Sampler` with the plain-torch ops.
     :param static: the static-shape path, for a backend that declares step buckets: every step is
         padded and run through it (``graphs`` is then unused).
+    :param sample: False on a tensor-parallel worker rank: the forward and the logits run (their
+        collectives need every rank), the sampling does not.
     """
 
     def __init__(
@@ -57,8 +59,11 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         sampler: Sampler | None = None,
         static: StaticSteps | None = None,
+        sample: bool = True,
     ) -> None:
         self.model = model
+        #: False on a tensor-parallel worker: the step runs (its collectives need every rank), rank 0 samples
+        self.sample = sample
         self.graphs = graphs  # decode steps replayed from step graphs; None: every step eager
         self.static = static  # every step padded to a bucket (API 1.5); None: steps keep their shapes
         self.kv_caches = kv_caches
@@ -163,6 +168,8 @@ class ModelRunner:
         self, logits: torch.Tensor, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]
     ) -> dict[SequenceId, SampleResult]:
         """Sample every sample of the chunks ``sampling`` indexes; row j of ``logits`` is chunk ``sampling[j]``'s."""
+        if not self.sample:
+            return {}
         samples: list[Sample[SamplingParams]] = []
         logits_rows: list[int] = []  # the row of `logits` each sample reads (a fork's n share one)
         for j, i in enumerate(sampling):

@@ -10,7 +10,10 @@ The event loop never runs the model. The engine is touched only from its own thr
   the way out, so its KV blocks return to the pool at the next iteration of the engine thread.
 
 An exception inside ``engine.step`` fails the requests of that step with :class:`EngineError` (logged
-with its traceback), the engine is cleaned, and the thread keeps serving new requests.
+with its traceback), the engine is cleaned, and the thread keeps serving new requests, unless the
+engine says it cannot step again (``engine.fatal``: a tensor-parallel rank died or hung): then
+every request in flight and queued fails with that error, the thread ends and ``on_fatal`` is called
+(``plinth serve`` exits non-zero).
 """
 
 from __future__ import annotations
@@ -110,6 +113,10 @@ class AsyncEngine:
         self._stopping = False
         self._stats = EngineStats()
         self._failed_steps = 0
+        #: the error that stopped the engine for good (a tensor-parallel rank died); None while it serves
+        self.fatal: BaseException | None = None
+        #: called once, on the engine thread, with that error (the server exits non-zero)
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -174,6 +181,8 @@ class AsyncEngine:
         """
         if self._stopping or self._thread is None:
             raise EngineStopped("the server is shutting down" if self._stopping else "the engine is not started")
+        if self.fatal is not None:
+            raise EngineError(f"the engine stopped: {self.fatal}")
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[_Item] = asyncio.Queue()
@@ -219,6 +228,15 @@ class AsyncEngine:
                     aborted = engine.abort_all()
                     logger.exception("engine step failed; aborted %d request(s): %s", len(aborted), aborted)
                     error = EngineError(f"the engine failed while running this request ({type(exc).__name__})")
+                    if getattr(engine, "fatal", None) is not None:  # it cannot step again: end, loudly
+                        error = EngineError(f"the engine stopped: {exc}")
+                        items.extend((rid, error) for rid in aborted)
+                        self._deliver(items)
+                        self._fail_commands(error)
+                        self.fatal = exc
+                        if self.on_fatal is not None:
+                            self.on_fatal(exc)
+                        return
                     items.extend((rid, error) for rid in aborted)
             self._deliver(items)
             self._snapshot()
@@ -268,6 +286,20 @@ class AsyncEngine:
             logger.exception("adding request %s failed", command.request_id)
             return EngineError(f"the engine could not add this request ({type(exc).__name__})")
         return None
+
+    def _fail_commands(self, error: BaseException) -> None:
+        """Answer every request still queued as a command with ``error`` (the engine thread is ending)."""
+        items: list[tuple[str, _Item]] = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                items.append((command.request_id, error))
+            elif isinstance(command, _AbortAll):
+                command.done(0)
+        self._deliver(items)
 
     def _deliver(self, items: list[tuple[str, _Item]]) -> None:
         if not items or self._loop is None:

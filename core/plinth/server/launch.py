@@ -111,6 +111,12 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     )
     drain = holder["drain"] = server.drain = Drain(app.state.plinth, args.drain_timeout, server.exit_now)
+
+    def on_fatal(exc: BaseException) -> None:  # on the engine thread: the engine cannot step again
+        holder["fatal"] = exc
+        server.exit_now()
+
+    engine.on_fatal = on_fatal
     e = engine.engine
     print(
         f"plinth: serving {settings.served_model_names[0]} on http://{args.host}:{args.port} "
@@ -119,6 +125,10 @@ def run_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     server.run()
+    e.close()
+    if "fatal" in holder:
+        print(f"plinth: the engine stopped: {holder['fatal']}", file=sys.stderr, flush=True)
+        return 1
     if drain.clean is False:
         print(
             f"plinth: server stopped; {drain.num_cut} request(s) did not finish within --drain-timeout "

@@ -92,6 +92,7 @@ class ServerMetrics:
         self.request_success = Counter(
             "plinth:request_success", "Completions finished, by reason.", [*names, "finished_reason"], registry=reg
         )
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"plinth:{name}", doc, names, buckets=buckets, registry=reg)
 

@@ -1,0 +1,110 @@
+"""``torch.distributed`` collectives: the default communicator, and the CPU control group.
+
+Rank 0 (the engine: scheduler and sampler) and the workers join one ``torch.distributed`` world over
+TCP. The world's default group is gloo on the CPU: rank 0 broadcasts each step's scheduler output
+(plain value objects) over it. The device group, which the model's collectives run on, is the one
+the backend's :meth:`~plinth.platform.backend.DeviceServices.communicator` makes (the default: a new
+group of the backend's declared communicator, gloo on the CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plinth.platform.backend import Communicator
+from plinth.platform.devices import HOST_COLLECTIVES
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a rank died or hangs. The message names the operation."""
+
+
+def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -> None:
+    """Join the ``torch.distributed`` world (gloo, CPU); every collective after this times out after
+    ``timeout_s`` seconds instead of waiting for a dead rank forever."""
+    dist.init_process_group(
+        HOST_COLLECTIVES,
+        init_method=init_method,
+        world_size=world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def close_world() -> None:
+    """Leave the world (a no-op when this process never joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``src``'s picklable ``obj`` on every rank, over the CPU control group.
+
+    :raises CollectiveError: a rank is gone or the broadcast timed out.
+    """
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=src)
+    except (RuntimeError, ValueError) as e:  # gloo: "Connection closed by peer", a timeout, ...
+        raise CollectiveError(f"broadcast of the step from rank {src} failed: {e}") from e
+    return box[0]
+
+
+class TorchDistributedCommunicator(Communicator):
+    """:class:`Communicator` over one ``torch.distributed`` process group.
+
+    :param group: the process group (None: the default group).
+    :param rank: this process's rank in it; ``world_size`` its size.
+    """
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def new_group(cls, world_size: int, rank: int, backend: str) -> TorchDistributedCommunicator:
+        """A new group of ``backend`` over every rank of the (initialised) world."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: the core joins the world first")
+        return cls(dist.new_group(list(range(world_size)), backend=backend), rank, world_size)
+
+    def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, group=self.group, **kwargs)
+        except (RuntimeError, ValueError) as e:
+            raise CollectiveError(f"{what} on rank {self.rank} of {self.world_size} failed: {e}") from e
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_contiguous():
+            self._run("all_reduce", dist.all_reduce, tensor)
+            return tensor
+        buf = tensor.contiguous()  # a collective needs dense memory: reduce a copy, write it back
+        self._run("all_reduce", dist.all_reduce, buf)
+        return tensor.copy_(buf)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        src = tensor.contiguous()
+        parts = [torch.empty_like(src) for _ in range(self.world_size)]
+        self._run("all_gather", dist.all_gather, parts, src)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._run("broadcast", dist.broadcast, buf, src)
+        return tensor if buf is tensor else tensor.copy_(buf)
+
+    def barrier(self) -> None:
+        self._run("barrier", dist.barrier)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._run("send", dist.send, tensor.contiguous(), dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._run("recv", dist.recv, buf, src)
+        return tensor if buf is tensor else tensor.copy_(buf)

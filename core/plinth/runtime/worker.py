@@ -1,0 +1,36 @@
+"""A tensor-parallel worker rank's half of the engine: its shard of the model, its KV cache, a runner.
+
+Rank 0 (:class:`plinth.runtime.engine.LLMEngine`) owns the scheduler, the sampler and the tokenizer;
+a worker owns only what its forward needs, built by the same :func:`~plinth.runtime.engine.load_parts`
+from the same config, so both sides pick the same backend, dtype and block size.
+"""
+
+from __future__ import annotations
+
+from plinth.config import EngineConfig
+from plinth.parallel.comm import broadcast_object
+from plinth.parallel.executor import WorkerSetup
+from plinth.platform.host import default_host
+from plinth.runtime.engine import allocate_kv_caches, load_parts
+from plinth.runtime.runner import ModelRunner
+
+
+def build_worker(config: EngineConfig, rank: int, world_size: int) -> ModelRunner:
+    """Load rank ``rank``'s shard, take rank 0's KV-cache decision, and return the runner that runs
+    each broadcast step (``sample=False``).
+
+    :raises RuntimeError: rank 0 chose a block size or dtype this rank would not have.
+    """
+    parts = load_parts(config, default_host(), rank=rank, world_size=world_size)
+    setup = broadcast_object(None)
+    if not isinstance(setup, WorkerSetup):
+        raise RuntimeError(f"rank {rank}: expected the KV-cache setup from rank 0, got {type(setup).__name__}")
+    mine = (parts.block_size, parts.dtype, parts.kv_dtype)
+    theirs = (setup.block_size, setup.dtype, setup.kv_cache_dtype)
+    if mine != theirs:
+        raise RuntimeError(f"rank {rank} would run (block size, dtype, kv dtype) {mine}; rank 0 runs {theirs}")
+    specs = parts.model.attention_specs()
+    kv_caches = allocate_kv_caches(parts.backend, specs, setup.num_blocks, prefault=config.kv_cache_prefault)
+    return ModelRunner(
+        parts.model, kv_caches, parts.kernels.attention(specs[0]), parts.services, parts.block_size, sample=False
+    )
