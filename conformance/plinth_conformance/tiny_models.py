@@ -109,12 +109,16 @@ def _tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def save_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
-    """Write the tiny ``name`` model ("llama", "qwen2", "mistral-sw") into ``folder``; returns it."""
+def save_tiny_model(name: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny ``name`` model ("llama", "qwen2", "mistral-sw") into ``folder``; returns it.
+
+    ``overrides`` replace ``config.json`` keys (``num_hidden_layers=30``, ``hidden_size=512``, ...):
+    a random model of another shape, for benchmarks.
+    """
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = _config(name)
+    config = {**_config(name), **overrides}
     gen = torch.Generator().manual_seed(seed)
     save_file(_weights(config, gen), str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=1))

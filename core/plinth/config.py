@@ -9,6 +9,7 @@ from plinth.validation import check_bool, check_float, check_int, check_str
 
 #: The values of :attr:`EngineConfig.quantization`.
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
+DISTRIBUTED_EXECUTORS = ("mp", "ray")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,8 @@ class EngineConfig:
       worker processes on this host over ``torch.distributed``); see docs/scale-out.md.
     - ``distributed_timeout_s``: how long a collective waits for a rank before the engine fails
       (a dead worker fails it at once; a hung one at this timeout).
+    - ``distributed_executor``: "mp" starts the workers as processes on this host; "ray" as Ray actors
+      on an existing Ray cluster, placed by a placement group (``pip install ray``).
     """
 
     model: str | None = None
@@ -71,6 +74,7 @@ class EngineConfig:
     quantization: Literal["auto", "none", "int8"] = "auto"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
+    distributed_executor: Literal["mp", "ray"] = "mp"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -97,6 +101,9 @@ class EngineConfig:
             "quantization": check_str(owner, "quantization", self.quantization, choices=QUANTIZATION_CHOICES),
             "tensor_parallel_size": check_int(owner, "tensor_parallel_size", self.tensor_parallel_size, ge=1, le=64),
             "distributed_timeout_s": check_float(owner, "distributed_timeout_s", self.distributed_timeout_s, gt=0),
+            "distributed_executor": check_str(
+                owner, "distributed_executor", self.distributed_executor, choices=DISTRIBUTED_EXECUTORS
+            ),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)

@@ -37,6 +37,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="split the model over N ranks: this process and N-1 workers on this host (docs/scale-out.md)",
     )
     p.add_argument(
+        "--distributed-executor",
+        choices=("mp", "ray"),
+        default="mp",
+        help="mp: worker processes on this host (default); ray: Ray actors on an existing Ray cluster",
+    )
+    p.add_argument(
         "--distributed-timeout",
         type=positive_float,
         default=60.0,
@@ -98,6 +104,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_timeout_s": args.distributed_timeout,
+        "distributed_executor": args.distributed_executor,
     }
     for field in (
         "max_model_len",

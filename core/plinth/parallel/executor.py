@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from plinth.config import EngineConfig
 from plinth.parallel.comm import CollectiveError, broadcast_object, close_world, init_world
@@ -59,6 +59,27 @@ def free_port() -> int:
 def default_threads(world_size: int) -> int:
     """Host threads per rank when the user named none: the cores shared out, at least 1."""
     return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class Executor(Protocol):
+    """What the engine needs of the workers' keeper, however they were started."""
+
+    def broadcast(self, obj: Any) -> None: ...
+
+    def diagnose(self, what: str) -> str: ...
+
+    def alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def make_executor(config: EngineConfig, world_size: int) -> Executor:
+    """The executor ``config.distributed_executor`` names: local processes ("mp") or Ray actors ("ray")."""
+    if config.distributed_executor == "ray":
+        from plinth.parallel.ray_executor import RayExecutor
+
+        return RayExecutor(config, world_size)
+    return MultiprocExecutor(config, world_size)
 
 
 class MultiprocExecutor:

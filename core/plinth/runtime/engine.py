@@ -21,7 +21,7 @@ from plinth.model.context import ModelKernels
 from plinth.model.loader import ModelSource, load_config, load_model, load_tokenizer, resolve_model
 from plinth.model.tokenizer import IncrementalDetokenizer
 from plinth.parallel.comm import CollectiveError
-from plinth.parallel.executor import MultiprocExecutor, WorkerFailure, WorkerSetup, default_threads
+from plinth.parallel.executor import Executor, WorkerFailure, WorkerSetup, default_threads, make_executor
 from plinth.parallel.sharding import ShardingError, ShardPlan, TensorParallel
 from plinth.platform.backend import AttentionSpec, Backend, Capabilities, DeviceServices, StepBuckets, torch_dtype
 from plinth.platform.host import BackendStatus, PluginHost, default_host
@@ -180,9 +180,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         tp = config.tensor_parallel_size
         #: the tensor-parallel workers (ranks 1..N-1), started first so they load alongside rank 0
-        self.executor: MultiprocExecutor | None = None
+        self.executor: Executor | None = None
         if tp > 1:
-            self.executor = MultiprocExecutor(config, tp)
+            self.executor = make_executor(config, tp)
             torch.set_num_threads(config.num_threads or default_threads(tp))
         try:
             self._start(config, host or default_host())

@@ -1,0 +1,136 @@
+"""Tensor parallelism end to end on the CPU (gloo on 127.0.0.1): TP=N gives TP=1's greedy tokens and
+log-probabilities; a model that does not split, a dead worker and a hung one fail fast and by name."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plinth import LLM, SamplingParams
+from plinth.parallel.executor import WorkerFailure
+from plinth.runtime.engine import InvalidRequest
+from plinth_conformance.tiny_models import prompts, save_tiny_model
+
+ENGINE: dict[str, Any] = dict(
+    num_kv_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, backend="cpu"
+)
+#: fp32 on both sides; only the order of the sums differs (partial products all-reduced)
+LOGPROB_TOL = 1e-4
+#: a q4_1 checkpoint on the cpu backend: activations are rounded to int8 per block on each rank
+QUANT_LOGPROB_TOL = 2e-2
+
+
+def _compare(got: list[Any], want: list[Any], tol: float) -> float:
+    """Greedy ids equal, every top log-probability within ``tol``; returns the worst difference."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g.outputs, w.outputs, strict=True):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                mine, theirs = dict(la.top), dict(lb.top)
+                worst = max(worst, *(abs(mine[t] - theirs[t]) for t in mine if t in theirs))
+    assert worst < tol, worst
+    return worst
+
+
+def _workload(llm: LLM) -> list[Any]:
+    batch = prompts(0, (1, 9, 17, 40, 70, 33))
+    batch.append(batch[4][:48] + batch[1])  # a prefix-cache hit of three full blocks
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    forks = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=6, ignore_eos=True, logprobs=2)
+    return llm.generate(batch, greedy) + llm.generate(batch[2:4], forks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,tp", [("llama", 2), ("qwen2", 2), ("llama", 4)], ids=["llama-tp2", "qwen2-tp2", "llama-tp4-kv-replicated"]
+)
+def test_tensor_parallel_gives_the_single_process_tokens(model: str, tp: int, tmp_path: Path) -> None:
+    folder = save_tiny_model(model, tmp_path / model)  # 4 heads, 2 KV heads: TP=4 replicates each twice
+    want = _workload(LLM(model=str(folder), **ENGINE))
+    llm = LLM(model=str(folder), tensor_parallel_size=tp, **ENGINE)
+    try:
+        assert llm.engine.executor is not None and len(llm.engine.executor.workers) == tp - 1
+        assert llm.engine.kernels is not None and llm.engine.model.config.num_heads == 4 // tp
+        _compare(_workload(llm), want, LOGPROB_TOL)
+        assert llm.engine.scheduler.prefix_cache_hit_tokens >= 48
+    finally:
+        llm.engine.close()
+    assert all(p.poll() is not None for p in llm.engine.executor.workers)  # closed: no worker left
+
+
+@pytest.mark.slow
+def test_a_quantized_gguf_splits_on_block_boundaries_and_keeps_its_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    """The real SmolLM2-135M Q4_1 over 3 ranks (9 heads, 3 KV heads; o_proj's 576 inputs split into 192 =
+    6 blocks of 32 each): no weight is dequantized for the split, and the tokens are TP=1's."""
+    engine: dict[str, Any] = dict(num_kv_blocks=64, max_model_len=256, max_num_seqs=4, backend="cpu")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    want = LLM(**engine).generate(texts, params)
+    with caplog.at_level(logging.WARNING, logger="plinth.parallel.sharding"):
+        llm = LLM(tensor_parallel_size=3, **engine)
+    try:
+        assert "dequantized" not in caplog.text
+        assert llm.engine.model.layers[0].self_attn.o_proj.weight.format == "q4_1"
+        _compare(llm.generate(texts, params), want, QUANT_LOGPROB_TOL)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_split_is_refused_naming_the_field(tmp_path: Path) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequest, match="num_attention_heads 4 is not divisible by 3"):
+        LLM(model=str(folder), tensor_parallel_size=3, **ENGINE)
+    assert time.monotonic() - t0 < 60
+
+
+def _started(folder: Path, **kwargs: Any) -> LLM:
+    llm = LLM(model=str(folder), tensor_parallel_size=2, **ENGINE, **kwargs)
+    llm.generate([prompts(1, (5,))[0]], SamplingParams(temperature=0, max_tokens=2))  # one round trip
+    return llm
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_fails_the_engine_at_once_naming_its_rank(tmp_path: Path) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    llm = _started(folder)
+    try:
+        executor = llm.engine.executor
+        assert executor is not None
+        executor.workers[0].kill()
+        executor.workers[0].wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"rank 1: exited with code -9"):
+            llm.generate(prompts(2, (9, 9)), SamplingParams(temperature=0, max_tokens=8))
+        assert time.monotonic() - t0 < 10  # a closed socket fails the collective at once
+        with pytest.raises(WorkerFailure):  # and the engine stays failed: no step runs half a model
+            llm.generate(prompts(3, (4,)), SamplingParams(temperature=0, max_tokens=2))
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+def test_a_hung_worker_fails_the_engine_at_the_timeout(tmp_path: Path) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    llm = _started(folder, distributed_timeout_s=4.0)
+    executor = llm.engine.executor
+    assert executor is not None
+    pid = executor.workers[0].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match="rank 0 of 2 failed|timed out|Timed out"):
+            llm.generate(prompts(2, (9,)), SamplingParams(temperature=0, max_tokens=8))
+        elapsed = time.monotonic() - t0
+        assert 3.0 < elapsed < 30, elapsed
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        llm.engine.close()
