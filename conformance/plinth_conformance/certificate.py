@@ -98,11 +98,11 @@ def tier_status(state: SuiteState, tier: str) -> str:
 
 def tier_table(state: SuiteState) -> list[str]:
     """Terminal lines: one per tier with counts and seconds."""
-    lines = [f"{'tier':<9} {'status':<8} {'passed':>6} {'failed':>6} {'skipped':>7} {'seconds':>8}"]
+    lines = [f"{'tier':<11} {'status':<8} {'passed':>6} {'failed':>6} {'skipped':>7} {'seconds':>8}"]
     for tier in TIERS:
         c = state.counts.get(tier, {"passed": 0, "failed": 0, "skipped": 0})
         lines.append(
-            f"{tier:<9} {tier_status(state, tier):<8} {c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} "
+            f"{tier:<11} {tier_status(state, tier):<8} {c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} "
             f"{state.seconds.get(tier, 0.0):>8.1f}"
         )
     return lines

@@ -91,9 +91,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     conf.add_argument("--backend", default=None, help="backend name to certify")
     conf.add_argument(
         "--tier",
-        choices=["core", "extended", "perf", "all"],
+        choices=["core", "extended", "perf", "collectives", "all"],
         default=None,
-        help="core; extended (= core + extended, the default); perf; all",
+        help="core; extended (= core + extended, the default); perf; collectives (2 ranks); all",
     )
     conf.add_argument("--report", default=None, metavar="DIR", help="JUnit XML, certificate.json, summary.md")
     conf.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="only cases matching (pytest -k)")

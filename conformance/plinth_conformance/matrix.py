@@ -41,7 +41,8 @@ def _row(cert: dict[str, Any]) -> list[str]:
         verified = f"**{verified}**"
     features = ", ".join(caps.get("features", [])) or "-"
     quant = ", ".join(caps.get("quant_formats", [])) or "-"
-    tiers = " / ".join(_MARK.get(cert["tiers"][t]["status"], "?") for t in TIERS)
+    # a certificate from before a tier existed (suite < 1.4: no collectives) shows it as not run
+    tiers = " / ".join(_MARK.get(cert["tiers"].get(t, {}).get("status", "not run"), "?") for t in TIERS)
     return [
         f"{cert['backend']['name']} {cert['backend']['version']}",
         f"{plugin['distribution']}",

@@ -22,12 +22,14 @@ from typing import Any
 import pytest
 
 from plinth_conformance import SUITE_VERSION, TIERS
+from plinth_conformance.collectives import collective_cases
 
 #: ``--plinth-tier`` choices and the tiers each runs.
 TIER_SELECTION: dict[str, tuple[str, ...]] = {
     "core": ("core",),
     "extended": ("core", "extended"),
     "perf": ("perf",),
+    "collectives": ("collectives",),
     "all": TIERS,
 }
 
@@ -85,7 +87,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register the tier marker and, when a backend is named, select it through a fresh host."""
-    config.addinivalue_line("markers", "plinth_tier(name): conformance tier of a test (core, extended, perf)")
+    config.addinivalue_line(
+        "markers", "plinth_tier(name): conformance tier of a test (core, extended, perf, collectives)"
+    )
     report = config.getoption("plinth_report")
     state = SuiteState(
         backend_name=config.getoption("plinth_backend"),
@@ -126,6 +130,7 @@ def _generators() -> dict[str, Callable[..., list[Any]]]:
         "undeclared_case": cases.undeclared_cases,
         "engine_case": cases.engine_cases,
         "perf_case": cases.perf_cases,
+        "collective_case": lambda caps, _dtype: collective_cases(caps.dtypes),
     }
 
 

@@ -36,7 +36,7 @@ The contract objects
 - what a backend implements, :mod:`plinth.platform.backend`: ``Backend``, ``DeviceServices``,
   ``AttentionKernels`` (receiving ``AttentionMetadata``), ``GemmKernels`` (returning
   ``LinearWeight``), ``SmallOps``, ``GraphCapture``, ``StepGraph``, ``KernelProvider``, ``StepInputs``,
-  ``StepProgram``, ``CompiledStep``, ``FlatBlocks``, and the
+  ``StepProgram``, ``CompiledStep``, ``FlatBlocks``, ``Communicator``, and the
   helpers ``torch_dtype``/``dtype_name``;
 - quantized weights a GEMM may receive, :mod:`plinth.platform.quant`: ``QuantizedWeight``,
   ``dequantize``;
@@ -93,6 +93,10 @@ API    adds / changes
        ``AttentionMetadata.flat_blocks``); ``Capabilities.block_placement`` ("contiguous": lowest
        free block ids first), ``Capabilities.preferred_block_size``, ``Capabilities.communicator``
        (the ``torch.distributed`` backend of the device's process group)
+1.7    scale-out: ``Communicator`` (in-place sum all-reduce, all-gather, broadcast, barrier, send,
+       recv) from ``DeviceServices.communicator(world_size, rank, backend)`` (default:
+       ``torch.distributed`` over a new group of ``Capabilities.communicator``, gloo where none is
+       declared); ``DeviceServices.device_for_rank(local_rank)`` (default: the one device)
 =====  ===========================================================================================
 """
 
@@ -110,7 +114,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 6)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 7)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -129,6 +133,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 6): "separate prefill/decode graphs: Capabilities.mixed_batches, StepBuckets.decode (StepShape.decode, "
     "AttentionMetadata.decode_only); flat block lists: StepBuckets.flat_blocks, StepShape.flat_blocks, FlatBlocks; "
     "Capabilities.block_placement, preferred_block_size, communicator",
+    (1, 7): "scale-out: Communicator from DeviceServices.communicator (default torch.distributed), "
+    "DeviceServices.device_for_rank",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.
@@ -155,6 +161,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.backend.StepInputs",
     "plinth.platform.backend.StepProgram",
     "plinth.platform.backend.CompiledStep",
+    "plinth.platform.backend.Communicator",
     "plinth.platform.backend.FlatBlocks",
     "plinth.platform.backend.torch_dtype",
     "plinth.platform.backend.canonical_kv_view",
