@@ -108,12 +108,12 @@ def _check(case: CollectiveCase, comm: Any, rank: int) -> str | None:
     elif case.op == "send_recv":
         other = 1 - rank
         if rank == 0:
-            comm.send(view, 1)
+            comm.send(view, 1).wait()
             comm.recv(view, 1)
         else:
             saved = view.clone()
             comm.recv(view, 0)
-            comm.send(saved, 0)
+            comm.send(saved, 0).wait()
         if not torch.equal(view, views[other]):
             return f"send/recv: rank {rank} did not receive rank {other}'s tensor bit for bit"
     if case.layout == "strided" and not torch.equal(base[~mask], outside[~mask]):

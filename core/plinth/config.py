@@ -48,6 +48,8 @@ class EngineConfig:
       linear weights to q8_0.
     - ``tensor_parallel_size`` (1-64): ranks the model is split over (rank 0 here, the others as
       worker processes on this host over ``torch.distributed``); see docs/scale-out.md.
+    - ``pipeline_parallel_size`` (1-64): stages the layers are split into, one rank each (not yet
+      combined with ``tensor_parallel_size`` > 1).
     - ``distributed_timeout_s``: how long a collective waits for a rank before the engine fails
       (a dead worker fails it at once; a hung one at this timeout).
     - ``distributed_executor``: "mp" starts the workers as processes on this host; "ray" as Ray actors
@@ -73,6 +75,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     quantization: Literal["auto", "none", "int8"] = "auto"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
     distributed_executor: Literal["mp", "ray"] = "mp"
 
@@ -100,6 +103,9 @@ class EngineConfig:
             "compile_cache_dir": check_str(owner, "compile_cache_dir", self.compile_cache_dir, optional=True),
             "quantization": check_str(owner, "quantization", self.quantization, choices=QUANTIZATION_CHOICES),
             "tensor_parallel_size": check_int(owner, "tensor_parallel_size", self.tensor_parallel_size, ge=1, le=64),
+            "pipeline_parallel_size": check_int(
+                owner, "pipeline_parallel_size", self.pipeline_parallel_size, ge=1, le=64
+            ),
             "distributed_timeout_s": check_float(owner, "distributed_timeout_s", self.distributed_timeout_s, gt=0),
             "distributed_executor": check_str(
                 owner, "distributed_executor", self.distributed_executor, choices=DISTRIBUTED_EXECUTORS
@@ -107,6 +113,16 @@ class EngineConfig:
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"{owner}: tensor_parallel_size {self.tensor_parallel_size} with pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}: the two are not combined yet (use one of them)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor-parallel times pipeline-parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def compile_cache_dir(config: EngineConfig) -> str | None:

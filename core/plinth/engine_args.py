@@ -37,6 +37,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="split the model over N ranks: this process and N-1 workers on this host (docs/scale-out.md)",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=positive_int,
+        default=1,
+        help="split the layers into N stages, one rank each (not combined with -tp yet; docs/scale-out.md)",
+    )
+    p.add_argument(
         "--distributed-executor",
         choices=("mp", "ray"),
         default="mp",
@@ -103,6 +110,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "distributed_timeout_s": args.distributed_timeout,
         "distributed_executor": args.distributed_executor,
     }

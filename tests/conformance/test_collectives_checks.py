@@ -11,6 +11,11 @@ from plinth.platform.backend import Communicator
 from plinth_conformance.collectives import WORLD, CollectiveCase, _check, _input, collective_cases
 
 
+class _Sent:
+    def wait(self) -> None:
+        pass
+
+
 class FakeComm(Communicator):
     """Rank ``rank`` of 2, answering from the case's seeded inputs of both ranks."""
 
@@ -36,8 +41,8 @@ class FakeComm(Communicator):
     def barrier(self) -> None:
         pass
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        pass
+    def send(self, tensor: torch.Tensor, dst: int) -> _Sent:
+        return _Sent()
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         return tensor.copy_(self._views()[src])

@@ -15,6 +15,7 @@ from plinth.platform.backend import AttentionKernels, AttentionMetadata, Attenti
 from plinth.platform.devices import HOST
 
 if TYPE_CHECKING:
+    from plinth.parallel.pipeline import PipelineStage
     from plinth.parallel.sharding import TensorParallel
 
 
@@ -35,7 +36,8 @@ class ModelKernels:
     ``device`` is where weights and rotary tables are placed. ``quant_formats`` are the block
     formats the GEMM takes natively (weights in other formats are dequantized at load);
     ``quantize`` ("q8_0") quantizes floating-point linear weights at load, None keeps them.
-    ``tp`` is this rank's tensor-parallel slice and collectives (None: one process holds the model).
+    ``tp`` is this rank's tensor-parallel slice and collectives (None: one process holds the model);
+    ``pp`` its pipeline stage (None: every layer here).
     """
 
     gemm: GemmKernels
@@ -45,3 +47,4 @@ class ModelKernels:
     quant_formats: frozenset[str] = frozenset()
     quantize: str | None = None
     tp: TensorParallel | None = None
+    pp: PipelineStage | None = None

@@ -95,6 +95,11 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels
         self.dtype = dtype
         self.device = kernels.device
+        #: the layers this process holds (a pipeline stage's range; all of them otherwise), by global
+        #: index: their checkpoint names; the KV caches are indexed locally, 0..len-1
+        self.layer_range = kernels.pp.layers if kernels.pp is not None else range(config.num_layers)
+        self.first_stage = kernels.pp is None or kernels.pp.first
+        self.last_stage = kernels.pp is None or kernels.pp.last
         self._specs = [
             AttentionSpec(
                 num_heads=config.num_heads,
@@ -105,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache_dtype=kv_cache_dtype,
                 sliding_window=config.layer_sliding_window(i),
             )
-            for i in range(config.num_layers)
+            for i in self.layer_range
         ]
         attn_by_spec: dict[AttentionSpec, AttentionKernels] = {}
         for spec in self._specs:
@@ -116,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         )
         # [V, hidden]; a quantized checkpoint's embedding stays in its blocks (rows dequantized on lookup)
         self.embed_tokens: torch.Tensor | QuantizedWeight | None = None
-        self.layers = nn.ModuleList(
+        self.layers = nn.ModuleList(  # the cache index is the local one
             DecoderLayer(config, i, rotary, attn_by_spec[spec], kernels) for i, spec in enumerate(self._specs)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
@@ -168,6 +173,36 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(hidden, residual)[0]
 
     @torch.inference_mode()
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        received: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One pipeline stage's part of :meth:`forward`.
+
+        The first stage embeds ``input_ids``; a later one starts from ``received``, the previous
+        stage's ``[T, 2 * hidden]`` (hidden state and residual stream, concatenated). The last stage
+        returns the final-norm hidden states ``[T, hidden]``; the others ``[T, 2 * hidden]`` to send on.
+        """
+        residual: torch.Tensor | None
+        if received is None:
+            hidden, residual = self.embed(input_ids), None
+        else:
+            hidden, residual = received.chunk(2, dim=-1)
+            hidden, residual = hidden.contiguous(), residual.contiguous()
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            hidden, residual = layer.forward(positions, hidden, residual, ctx)
+        if self.last_stage:
+            if residual is None:
+                return self.norm.forward(hidden)
+            return self.norm.add_forward(hidden, residual)[0]
+        assert residual is not None, "a pipeline stage holds at least one layer"
+        return torch.cat([hidden, residual], dim=-1)
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [S, hidden] (the rows that sample) -> logits [S, vocab]."""
         logits = self.lm_head.forward(hidden)
@@ -183,12 +218,13 @@ class LlamaForCausalLM(nn.Module):
         """Hugging Face parameter name -> shape, for every weight :meth:`load_weights` needs."""
         c = self.config
         h, d = c.hidden_size, c.head_dim
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (c.vocab_size, h),
-            "model.norm.weight": (h,),
-        }
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, h)
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.first_stage or (self.last_stage and c.tie_word_embeddings):
+            shapes["model.embed_tokens.weight"] = (c.vocab_size, h)
+        if self.last_stage:
+            shapes["model.norm.weight"] = (h,)
+            if not c.tie_word_embeddings:
+                shapes["lm_head.weight"] = (c.vocab_size, h)
         proj = {
             "self_attn.q_proj": (c.num_heads * d, h, c.attention_bias),
             "self_attn.k_proj": (c.num_kv_heads * d, h, c.attention_bias),
@@ -198,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
             "mlp.up_proj": (c.intermediate_size, h, c.mlp_bias),
             "mlp.down_proj": (h, c.intermediate_size, c.mlp_bias),
         }
-        for i in range(c.num_layers):
+        for i in self.layer_range:
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
@@ -278,12 +314,13 @@ class LlamaForCausalLM(nn.Module):
         def fused_bias(names: list[str]) -> torch.Tensor | None:
             return torch.cat([take(n) for n in names], dim=0) if names[0] in w else None
 
-        raw_embed = w.pop("model.embed_tokens.weight")
+        raw_embed = w.pop("model.embed_tokens.weight", None)  # None: a middle pipeline stage
         # Kept in its blocks: dequantizing a 49k x 576 table took 0.15 s of start-up and 113 MB
         # for lookups of a few rows per step.
-        embed = raw_embed if isinstance(raw_embed, QuantizedWeight) else dense(raw_embed)
-        self.embed_tokens = embed
-        for i, layer in enumerate(self.layers):
+        embed = raw_embed if isinstance(raw_embed, QuantizedWeight) or raw_embed is None else dense(raw_embed)
+        if self.first_stage:
+            self.embed_tokens = embed
+        for i, layer in zip(self.layer_range, self.layers, strict=True):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -298,9 +335,14 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.down_proj.load(take_linear(m + "down_proj.weight"), maybe(m + "down_proj.bias"))
             layer.input_layernorm.load(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))
-        self.norm.load(take("model.norm.weight"))
-        # tied: the embedding matrix is the lm_head weight, prepared through the GEMM like any other
-        # (a quantized embedding keeps its blocks for the lm_head, where the GEMM takes them)
-        tied = raw_embed if isinstance(raw_embed, QuantizedWeight) else embed
-        self.lm_head.load(tied if self.config.tie_word_embeddings else take_linear("lm_head.weight"))
+        if self.last_stage:
+            self.norm.load(take("model.norm.weight"))
+            # tied: the embedding matrix is the lm_head weight, prepared through the GEMM like any other
+            # (a quantized embedding keeps its blocks for the lm_head, where the GEMM takes them)
+            if self.config.tie_word_embeddings:
+                tied = raw_embed if isinstance(raw_embed, QuantizedWeight) else embed
+                assert tied is not None, "a tied model's last stage loads the embedding"
+                self.lm_head.load(tied)
+            else:
+                self.lm_head.load(take_linear("lm_head.weight"))
         assert not w, f"weights left unassigned: {sorted(w)}"

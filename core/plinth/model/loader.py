@@ -154,6 +154,10 @@ def load_model(
 
         shape = kernels.tp.plan.local_config(config)
         weights = shard_weights(weights, kernels.tp.plan)
+    if kernels.pp is not None:  # this stage's layers (and the embedding / head where it holds them)
+        from plinth.parallel.pipeline import stage_weights
+
+        weights = stage_weights(weights, kernels.pp, config)
     model = model_class(config.architecture)(shape, kernels, dtype, block_size, kv_cache_dtype)
     model.load_weights(weights)
     logger.info("loaded %s (%s) in %.1fs", source.name, config.architecture, time.perf_counter() - start)

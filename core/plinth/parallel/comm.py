@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plinth.platform.backend import Communicator
+from plinth.platform.backend import Communicator, PendingSend
 from plinth.platform.devices import HOST_COLLECTIVES
 
 
@@ -52,6 +52,19 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     except (RuntimeError, ValueError) as e:  # gloo: "Connection closed by peer", a timeout, ...
         raise CollectiveError(f"broadcast of the step from rank {src} failed: {e}") from e
     return box[0]
+
+
+class _Pending:
+    """A ``torch.distributed`` isend (holding its buffer alive until it is done)."""
+
+    def __init__(self, work: Any, buf: torch.Tensor, rank: int) -> None:
+        self.work, self.buf, self.rank = work, buf, rank
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except (RuntimeError, ValueError) as e:
+            raise CollectiveError(f"send on rank {self.rank} failed: {e}") from e
 
 
 class TorchDistributedCommunicator(Communicator):
@@ -101,8 +114,13 @@ class TorchDistributedCommunicator(Communicator):
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._run("send", dist.send, tensor.contiguous(), dst)
+    def send(self, tensor: torch.Tensor, dst: int) -> PendingSend:
+        buf = tensor.contiguous()
+        try:
+            work = dist.isend(buf, dst, group=self.group)
+        except (RuntimeError, ValueError) as e:
+            raise CollectiveError(f"send on rank {self.rank} of {self.world_size} failed: {e}") from e
+        return _Pending(work, buf, self.rank)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -42,6 +42,7 @@ __all__ = [
     "CompiledStep",
     "Communicator",
     "DeviceServices",
+    "PendingSend",
     "FlatBlocks",
     "GemmKernels",
     "GraphCapture",
@@ -706,6 +707,16 @@ class CompiledStep(ABC):
         for tests and debugging, never called in the step loop."""
 
 
+class PendingSend(Protocol):
+    """A send under way (:meth:`Communicator.send`).
+
+    .. versionadded:: 1.7
+    """
+
+    def wait(self) -> None:
+        """Return once the tensor was sent (the caller may then change it)."""
+
+
 class Communicator(ABC):
     """Collectives over one group of ranks, each driving one device (tensor and pipeline parallelism).
 
@@ -738,8 +749,10 @@ class Communicator(ABC):
         """Return once every rank has called it."""
 
     @abstractmethod
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Send ``tensor`` to rank ``dst`` (which calls :meth:`recv`)."""
+    def send(self, tensor: torch.Tensor, dst: int) -> PendingSend:
+        """Start sending ``tensor`` to rank ``dst`` (which calls :meth:`recv`); may return before
+        ``dst`` has it (a pipeline stage goes on to its next micro-batch meanwhile). Call ``wait()``
+        on the result before changing ``tensor``."""
 
     @abstractmethod
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

@@ -22,12 +22,14 @@ from plinth.model.loader import ModelSource, load_config, load_model, load_token
 from plinth.model.tokenizer import IncrementalDetokenizer
 from plinth.parallel.comm import CollectiveError
 from plinth.parallel.executor import Executor, WorkerFailure, WorkerSetup, default_threads, make_executor
+from plinth.parallel.pipeline import PipelineError, PipelineStage, stage_layers
 from plinth.parallel.sharding import ShardingError, ShardPlan, TensorParallel
 from plinth.platform.backend import AttentionSpec, Backend, Capabilities, DeviceServices, StepBuckets, torch_dtype
 from plinth.platform.host import BackendStatus, PluginHost, default_host
 from plinth.platform.kernels import KernelSet, resolve_kernels
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
 from plinth.runtime.static import ModelStepProgram, StaticSteps
@@ -78,6 +80,8 @@ class ModelParts:
     kv_dtype: str
     block_size: int
     seconds: dict[str, float]
+    #: this rank's pipeline stage (None without pipeline parallelism)
+    stage: PipelineStage | None = None
 
 
 def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_size: int = 1) -> ModelParts:
@@ -110,18 +114,26 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
     seconds = {"backend": time.monotonic() - t0}
     lap = time.monotonic()
     source = resolve_model(config.model)
-    tp = None
+    tp = pp = None
     if world_size > 1:
-        try:
-            plan = ShardPlan.for_config(load_config(source), rank, world_size)
-        except ShardingError as e:
-            raise InvalidRequest(str(e)) from None
         device = services.device_for_rank(rank)
         if device != services.device:
             raise InvalidRequest(
                 f"backend {backend.name!r} maps rank {rank} to {device}: per-rank devices are not wired in yet"
             )
-        tp = TensorParallel(plan, services.communicator(world_size, rank, caps.communicator))
+        model_config = load_config(source)
+        try:
+            if config.pipeline_parallel_size > 1:
+                layers = stage_layers(model_config.num_layers, world_size, rank)
+            else:
+                plan = ShardPlan.for_config(model_config, rank, world_size)
+        except (ShardingError, PipelineError) as e:
+            raise InvalidRequest(str(e)) from None
+        comm = services.communicator(world_size, rank, caps.communicator)
+        if config.pipeline_parallel_size > 1:
+            pp = PipelineStage(rank, world_size, layers, comm)
+        else:
+            tp = TensorParallel(plan, comm)
     model, model_config = load_model(
         source,
         ModelKernels(
@@ -132,6 +144,7 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
             quant_formats=quant_formats,
             quantize="q8_0" if config.quantization == "int8" else None,
             tp=tp,
+            pp=pp,
         ),
         dtype=torch_dtype(dtype),
         block_size=block_size,
@@ -140,7 +153,7 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
     )
     seconds["weights"] = time.monotonic() - lap
     return ModelParts(
-        status, backend, services, caps, kernels, model, model_config, source, dtype, kv_dtype, block_size, seconds
+        status, backend, services, caps, kernels, model, model_config, source, dtype, kv_dtype, block_size, seconds, pp
     )
 
 
@@ -178,12 +191,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, host: PluginHost | None = None) -> None:
         self.config = config = config or EngineConfig()
-        tp = config.tensor_parallel_size
-        #: the tensor-parallel workers (ranks 1..N-1), started first so they load alongside rank 0
+        world = config.world_size
+        #: the tensor- or pipeline-parallel workers (ranks 1..N-1), started first so they load alongside rank 0
         self.executor: Executor | None = None
-        if tp > 1:
-            self.executor = make_executor(config, tp)
-            torch.set_num_threads(config.num_threads or default_threads(tp))
+        if world > 1:
+            self.executor = make_executor(config, world)
+            torch.set_num_threads(config.num_threads or default_threads(world))
         try:
             self._start(config, host or default_host())
         except BaseException:
@@ -201,8 +214,8 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, host: PluginHost) -> None:
         t0 = time.monotonic()
-        tp = config.tensor_parallel_size
-        parts = load_parts(config, host, rank=0, world_size=tp)
+        world = config.world_size
+        parts = load_parts(config, host, rank=0, world_size=world)
         self.backend_status = parts.status
         backend = self.backend = parts.backend
         services = parts.services
@@ -251,13 +264,14 @@ class LLMEngine:
         self.static: StaticSteps | None = None
         max_blocks_per_seq = -(-self.max_model_len // block_size)
         buckets = backend.step_buckets(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq)
-        if buckets is not None and tp > 1:
+        if buckets is not None and world > 1:
             raise InvalidRequest(
-                f"backend {backend.name!r} compiles static-shape steps: tensor parallelism does not drive those yet"
+                f"backend {backend.name!r} compiles static-shape steps: tensor and pipeline parallelism "
+                "do not drive those yet"
             )
         if buckets is not None:
             self.static = self._static_steps(buckets, kv_caches, services, block_size, max_blocks_per_seq)
-        elif not config.enforce_eager and tp == 1:  # step graphs replay one process's kernels only
+        elif not config.enforce_eager and world == 1:  # step graphs replay one process's kernels only
             graphs = DecodeGraphs(
                 self.model,
                 services,
@@ -268,16 +282,28 @@ class LLMEngine:
                 dtype=torch_dtype(dtype),
                 max_seq_len=self.max_model_len,
             )
-        self.runner = ModelRunner(
-            self.model,
-            kv_caches,
-            self.kernels.attention(specs[0]),
-            services,
-            block_size,
-            graphs=graphs,
-            sampler=Sampler(self.kernels.ops),
-            static=self.static,
-        )
+        self.runner: ModelRunner
+        if parts.stage is not None:
+            self.runner = PipelineRunner(
+                self.model,
+                kv_caches,
+                self.kernels.attention(specs[0]),
+                services,
+                block_size,
+                parts.stage,
+                sampler=Sampler(self.kernels.ops),
+            )
+        else:
+            self.runner = ModelRunner(
+                self.model,
+                kv_caches,
+                self.kernels.attention(specs[0]),
+                services,
+                block_size,
+                graphs=graphs,
+                sampler=Sampler(self.kernels.ops),
+                static=self.static,
+            )
         self._groups: dict[str, _Group] = {}
         self.load_seconds = time.monotonic() - t0
         logger.info(
@@ -346,7 +372,7 @@ class LLMEngine:
         else:
             free, _total = self.backend.device_services().memory_info()
             # tensor-parallel ranks on one host share its memory: each sizes its cache from its share
-            free //= self.config.tensor_parallel_size
+            free //= self.config.world_size
             budget = min(int(free * _DEFAULT_KV_FRACTION), _MAX_DEFAULT_KV_BYTES)
         # never more than enough for max_num_seqs full contexts (+1 for the null block)
         needed = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1

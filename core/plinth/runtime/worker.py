@@ -12,6 +12,7 @@ from plinth.parallel.comm import broadcast_object
 from plinth.parallel.executor import WorkerSetup
 from plinth.platform.host import default_host
 from plinth.runtime.engine import allocate_kv_caches, load_parts
+from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 
 
@@ -31,6 +32,9 @@ def build_worker(config: EngineConfig, rank: int, world_size: int) -> ModelRunne
         raise RuntimeError(f"rank {rank} would run (block size, dtype, kv dtype) {mine}; rank 0 runs {theirs}")
     specs = parts.model.attention_specs()
     kv_caches = allocate_kv_caches(parts.backend, specs, setup.num_blocks, prefault=config.kv_cache_prefault)
-    return ModelRunner(
-        parts.model, kv_caches, parts.kernels.attention(specs[0]), parts.services, parts.block_size, sample=False
-    )
+    attention = parts.kernels.attention(specs[0])
+    if parts.stage is not None:
+        return PipelineRunner(
+            parts.model, kv_caches, attention, parts.services, parts.block_size, parts.stage, sample=False
+        )
+    return ModelRunner(parts.model, kv_caches, attention, parts.services, parts.block_size, sample=False)

@@ -392,9 +392,7 @@ class Scheduler(Generic[P]):
             i += 1
         return budget
 
-    def _schedule_waiting(
-        self, budget: int, scheduled: list[ScheduledChunk[P]], requests: list[Request[P]]
-    ) -> int:
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledChunk[P]], requests: list[Request[P]]) -> int:
         """Step 2 of ``schedule()``: admit waiting requests in FIFO order. Returns the budget left."""
         kv = self.kv_cache_manager
         seats = sum(self._seats(r) for r in self.running)

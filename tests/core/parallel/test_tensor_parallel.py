@@ -1,5 +1,6 @@
-"""Tensor parallelism end to end on the CPU (gloo on 127.0.0.1): TP=N gives TP=1's greedy tokens and
-log-probabilities; a model that does not split, a dead worker and a hung one fail fast and by name."""
+"""Tensor and pipeline parallelism end to end on the CPU (gloo on 127.0.0.1): TP=N and PP=2 give the
+single process's greedy tokens and log-probabilities; a model that does not split, a dead worker and
+a hung one fail fast and by name."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 
 from plinth import LLM, SamplingParams
 from plinth.parallel.executor import WorkerFailure
+from plinth.parallel.pipeline import PipelineError, stage_layers
 from plinth.runtime.engine import InvalidRequest
+from plinth.runtime.pipeline import PipelineRunner, micro_batches
 from plinth_conformance.tiny_models import prompts, save_tiny_model
 
 ENGINE: dict[str, Any] = dict(
@@ -66,6 +69,32 @@ def test_tensor_parallel_gives_the_single_process_tokens(model: str, tp: int, tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "qwen2", "mistral-sw"])
+def test_pipeline_parallel_gives_the_single_process_tokens(model: str, tmp_path: Path) -> None:
+    folder = save_tiny_model(model, tmp_path / model)  # 2 layers: one per stage
+    want = _workload(LLM(model=str(folder), **ENGINE))
+    llm = LLM(model=str(folder), pipeline_parallel_size=2, **ENGINE)
+    try:
+        runner = llm.engine.runner
+        assert isinstance(runner, PipelineRunner) and runner.num_micro_batches == 2
+        assert runner.stage.layers == range(0, 1) and len(llm.engine.model.layers) == 1
+        assert llm.engine.model.embed_tokens is not None  # stage 0 embeds; the head is stage 1's
+        _compare(_workload(llm), want, LOGPROB_TOL)
+    finally:
+        llm.engine.close()
+
+
+def test_micro_batches_are_contiguous_near_equal_and_never_empty() -> None:
+    chunks = list(range(7))
+    assert micro_batches(chunks, 2) == [[0, 1, 2, 3], [4, 5, 6]]  # type: ignore[arg-type]
+    assert micro_batches(chunks[:1], 4) == [[0]]  # type: ignore[arg-type]
+    assert [len(g) for g in micro_batches(chunks, 3)] == [3, 2, 2]  # type: ignore[arg-type]
+    assert [stage_layers(30, 4, s) for s in range(4)] == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    with pytest.raises(PipelineError, match="cannot split 2 layers into 3 pipeline stages"):
+        stage_layers(2, 3, 0)
+
+
+@pytest.mark.slow
 def test_a_quantized_gguf_splits_on_block_boundaries_and_keeps_its_blocks(caplog: pytest.LogCaptureFixture) -> None:
     """The real SmolLM2-135M Q4_1 over 3 ranks (9 heads, 3 KV heads; o_proj's 576 inputs split into 192 =
     6 blocks of 32 each): no weight is dequantized for the split, and the tokens are TP=1's."""
@@ -84,24 +113,41 @@ def test_a_quantized_gguf_splits_on_block_boundaries_and_keeps_its_blocks(caplog
 
 
 @pytest.mark.slow
-def test_a_model_that_does_not_split_is_refused_naming_the_field(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "sizes,message",
+    [
+        ({"tensor_parallel_size": 3}, "num_attention_heads 4 is not divisible by 3"),
+        ({"pipeline_parallel_size": 3}, "cannot split 2 layers into 3 pipeline stages"),
+    ],
+)
+def test_a_model_that_does_not_split_is_refused_naming_the_field(
+    sizes: dict[str, int], message: str, tmp_path: Path
+) -> None:
     folder = save_tiny_model("llama", tmp_path / "llama")
     t0 = time.monotonic()
-    with pytest.raises(InvalidRequest, match="num_attention_heads 4 is not divisible by 3"):
-        LLM(model=str(folder), tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(InvalidRequest, match=message):
+        LLM(model=str(folder), **sizes, **ENGINE)
     assert time.monotonic() - t0 < 60
 
 
+def test_tensor_and_pipeline_parallel_together_are_refused_until_combined() -> None:
+    with pytest.raises(ValueError, match="not combined yet"):
+        LLM(model="unused", tensor_parallel_size=2, pipeline_parallel_size=2)
+
+
 def _started(folder: Path, **kwargs: Any) -> LLM:
-    llm = LLM(model=str(folder), tensor_parallel_size=2, **ENGINE, **kwargs)
+    if "pipeline_parallel_size" not in kwargs:
+        kwargs.setdefault("tensor_parallel_size", 2)
+    llm = LLM(model=str(folder), **ENGINE, **kwargs)
     llm.generate([prompts(1, (5,))[0]], SamplingParams(temperature=0, max_tokens=2))  # one round trip
     return llm
 
 
 @pytest.mark.slow
-def test_a_worker_that_dies_fails_the_engine_at_once_naming_its_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_a_worker_that_dies_fails_the_engine_at_once_naming_its_rank(sizes: dict[str, int], tmp_path: Path) -> None:
     folder = save_tiny_model("llama", tmp_path / "llama")
-    llm = _started(folder)
+    llm = _started(folder, **sizes)
     try:
         executor = llm.engine.executor
         assert executor is not None
