@@ -93,8 +93,8 @@ API    adds / changes
        ``AttentionMetadata.flat_blocks``); ``Capabilities.block_placement`` ("contiguous": lowest
        free block ids first), ``Capabilities.preferred_block_size``, ``Capabilities.communicator``
        (the ``torch.distributed`` backend of the device's process group)
-1.7    scale-out: ``Communicator`` (in-place sum all-reduce, all-gather, broadcast, barrier, send,
-       recv) from ``DeviceServices.communicator(world_size, rank, backend)`` (default:
+1.7    scale-out: ``Communicator`` (in-place sum all-reduce, all-gather, broadcast, barrier, send
+       (non-blocking: a ``PendingSend``), recv) from ``DeviceServices.communicator(world_size, rank, backend)`` (default:
        ``torch.distributed`` over a new group of ``Capabilities.communicator``, gloo where none is
        declared); ``DeviceServices.device_for_rank(local_rank)`` (default: the one device)
 =====  ===========================================================================================
@@ -162,6 +162,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.backend.StepProgram",
     "plinth.platform.backend.CompiledStep",
     "plinth.platform.backend.Communicator",
+    "plinth.platform.backend.PendingSend",
     "plinth.platform.backend.FlatBlocks",
     "plinth.platform.backend.torch_dtype",
     "plinth.platform.backend.canonical_kv_view",
