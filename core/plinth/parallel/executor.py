@@ -138,7 +138,14 @@ class MultiprocExecutor:
             raise WorkerFailure(self.diagnose(f"the tensor-parallel group did not form: {failure[0]}"))
 
     def diagnose(self, what: str) -> str:
-        """``what``, with every rank that is gone and the error it reported."""
+        """``what``, with every rank that is gone and the error it reported.
+
+        A peer's socket can close a moment before its process is reaped: when every worker still
+        looks alive, this waits up to 2 s for one to exit, so the message names it.
+        """
+        deadline = time.monotonic() + 2.0
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         parts = [what]
         for rank, proc in enumerate(self.workers, start=1):
             try:

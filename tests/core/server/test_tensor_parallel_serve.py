@@ -1,4 +1,5 @@
-"""``plinth serve --tensor-parallel-size 2``: the single-process server's tokens over HTTP; a worker
+"""``plinth serve --tensor-parallel-size 2`` and ``--pipeline-parallel-size 2``: the single-process
+server's tokens over HTTP; a worker
 killed mid-stream ends every client's request visibly within a bounded time and the server exits
 non-zero, never hanging."""
 
@@ -33,7 +34,10 @@ def _completion(url: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_tp2_serves_the_single_process_tokens_and_a_dead_worker_stops_it_non_zero(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"], ids=["tp2", "pp2"])
+def test_two_ranks_serve_the_single_process_tokens_and_a_dead_worker_stops_it_non_zero(
+    flag: str, tmp_path: Path
+) -> None:
     folder = save_tiny_model("llama", tmp_path / "tiny")
     prompt = list(range(5, 40))
     one = start_server("--model", str(folder), "--served-model-name", "tiny", *ARGS)
@@ -41,7 +45,7 @@ def test_tp2_serves_the_single_process_tokens_and_a_dead_worker_stops_it_non_zer
         want = _completion(one.url, prompt, 16)
     finally:
         one.stop()
-    two = start_server("--model", str(folder), "--served-model-name", "tiny", "--tensor-parallel-size", "2", *ARGS)
+    two = start_server("--model", str(folder), "--served-model-name", "tiny", flag, "2", *ARGS)
     try:
         assert _completion(two.url, prompt, 16) == want
         workers = _children(two.proc.pid)
