@@ -131,3 +131,21 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     """Random token-id prompts of the given lengths (ids 3.. avoid the special tokens)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_same_generations(got: list[Any], want: list[Any], tol: float) -> float:
+    """Two engines' ``generate`` results agree: every sample's greedy (or seeded) token ids equal, and
+    each step's top log-probabilities (the same tokens, in the same order) within ``tol`` nats.
+
+    Returns the worst difference (for a note); raises AssertionError naming where they part.
+    """
+    worst = 0.0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        for j, (a, b) in enumerate(zip(g.outputs, w.outputs, strict=True)):
+            assert a.token_ids == b.token_ids, f"prompt {i} sample {j}: {a.token_ids} vs {b.token_ids}"
+            for step, (la, lb) in enumerate(zip(a.logprobs or [], b.logprobs or [], strict=True)):
+                mine, theirs = dict(la.top), dict(lb.top)
+                assert list(mine) == list(theirs), f"prompt {i} sample {j} step {step}: top tokens {mine} vs {theirs}"
+                worst = max(worst, *(abs(mine[t] - theirs[t]) for t in mine))
+    assert worst < tol, f"top log-probabilities differ by {worst:.3g} nats (tolerance {tol:g})"
+    return worst

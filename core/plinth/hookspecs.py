@@ -94,9 +94,11 @@ API    adds / changes
        free block ids first), ``Capabilities.preferred_block_size``, ``Capabilities.communicator``
        (the ``torch.distributed`` backend of the device's process group)
 1.7    scale-out: ``Communicator`` (in-place sum all-reduce, all-gather, broadcast, barrier, send
-       (non-blocking: a ``PendingSend``), recv) from ``DeviceServices.communicator(world_size, rank, backend)`` (default:
-       ``torch.distributed`` over a new group of ``Capabilities.communicator``, gloo where none is
-       declared); ``DeviceServices.device_for_rank(local_rank)`` (default: the one device)
+       (non-blocking: a ``PendingSend``), recv) from ``DeviceServices.communicator(world_size,
+       rank, backend)`` (default: ``torch.distributed`` over a new group of
+       ``Capabilities.communicator``, gloo where none is declared);
+       ``DeviceServices.device_for_rank(local_rank)`` (default: the one device);
+       ``CompiledStep.warmup`` has a default (one dummy step per shape)
 =====  ===========================================================================================
 """
 

@@ -686,12 +686,21 @@ class CompiledStep(ABC):
     #: is a trace). The engine records the count after warm-up and logs loudly when it moves.
     compilations: int = 0
 
-    @abstractmethod
     def warmup(
         self, shapes: Sequence[StepShape], progress: Callable[[int, int, StepShape], None] | None = None
     ) -> None:
         """Compile every shape (ahead of the first request), calling ``progress(done, total, shape)``
-        after each; must leave the KV caches as they were."""
+        after each; must leave the KV caches as they were.
+
+        The default runs one all-padding step per shape (:meth:`StepInputs.dummy`: it writes nothing).
+
+        .. versionchanged:: 1.6
+           a default (it was abstract).
+        """
+        for i, shape in enumerate(shapes):
+            self.run(StepInputs.dummy(shape))
+            if progress is not None:
+                progress(i + 1, len(shapes), shape)
 
     @abstractmethod
     def run(self, inputs: StepInputs) -> torch.Tensor:

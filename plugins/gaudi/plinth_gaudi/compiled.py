@@ -12,7 +12,6 @@ The HPU path has not run in this repository's CI (no Gaudi there); the emulation
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,15 +89,6 @@ class GaudiCompiledStep(CompiledStep):
             g.inputs[name].copy_(value)
         g.graph.replay()
         return g.logits.to(HOST)
-
-    def warmup(
-        self, shapes: Sequence[StepShape], progress: Callable[[int, int, StepShape], None] | None = None
-    ) -> None:
-        """One all-padding step per shape (writes nothing): each is captured here, not while serving."""
-        for i, shape in enumerate(shapes):
-            self.run(StepInputs.dummy(shape))
-            if progress is not None:
-                progress(i + 1, len(shapes), shape)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

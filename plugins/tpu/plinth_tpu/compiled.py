@@ -108,10 +108,7 @@ class JaxCompiledStep(CompiledStep):
         self, shapes: Sequence[StepShape], progress: Callable[[int, int, StepShape], None] | None = None
     ) -> None:
         """One all-padding step per shape (writes nothing), then one block copy per copy bucket."""
-        for i, shape in enumerate(shapes):
-            self.run(StepInputs.dummy(shape))
-            if progress is not None:
-                progress(i + 1, len(shapes), shape)
+        super().warmup(shapes, progress)
         for n in COPY_BUCKETS:
             self._run_copy([(0, 0)] * n)
 

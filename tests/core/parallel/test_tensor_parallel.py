@@ -18,7 +18,7 @@ from plinth.parallel.executor import WorkerFailure
 from plinth.parallel.pipeline import PipelineError, stage_layers
 from plinth.runtime.engine import InvalidRequest
 from plinth.runtime.pipeline import PipelineRunner, micro_batches
-from plinth_conformance.tiny_models import prompts, save_tiny_model
+from plinth_conformance.tiny_models import assert_same_generations, prompts, save_tiny_model
 
 ENGINE: dict[str, Any] = dict(
     num_kv_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, backend="cpu"
@@ -31,15 +31,7 @@ QUANT_LOGPROB_TOL = 2e-2
 
 def _compare(got: list[Any], want: list[Any], tol: float) -> float:
     """Greedy ids equal, every top log-probability within ``tol``; returns the worst difference."""
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        for a, b in zip(g.outputs, w.outputs, strict=True):
-            assert a.token_ids == b.token_ids
-            for la, lb in zip(a.logprobs or [], b.logprobs or [], strict=True):
-                mine, theirs = dict(la.top), dict(lb.top)
-                worst = max(worst, *(abs(mine[t] - theirs[t]) for t in mine if t in theirs))
-    assert worst < tol, worst
-    return worst
+    return assert_same_generations(got, want, tol)
 
 
 def _workload(llm: LLM) -> list[Any]:

@@ -12,7 +12,7 @@ import pytest
 from plinth_metal.backend import EMULATE_ENV
 
 from plinth import LLM, SamplingParams
-from plinth_conformance.tiny_models import prompts, save_tiny_model
+from plinth_conformance.tiny_models import assert_same_generations, prompts, save_tiny_model
 
 ENGINE: dict[str, Any] = dict(
     num_kv_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=48, max_num_seqs=8
@@ -29,16 +29,7 @@ def emulated() -> Iterator[None]:
 
 def _compare(got: list[Any], want: list[Any]) -> float:
     """Greedy ids equal; every step's top log-probabilities within LOGPROB_TOL. Returns the worst."""
-    worst = 0.0
-    for g, w in zip(got, want, strict=True):
-        for a, b in zip(g.outputs, w.outputs, strict=True):
-            assert a.token_ids == b.token_ids
-            for la, lb in zip(a.logprobs or [], b.logprobs or [], strict=True):
-                mine, theirs = dict(la.top), dict(lb.top)
-                assert list(mine) == list(theirs)
-                worst = max(worst, *(abs(mine[t] - theirs[t]) for t in mine))
-    assert worst < LOGPROB_TOL
-    return worst
+    return assert_same_generations(got, want, LOGPROB_TOL)
 
 
 @pytest.mark.slow

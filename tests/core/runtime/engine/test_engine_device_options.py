@@ -63,7 +63,6 @@ class _Before14(ReferenceBackend):
         return torch.full((2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size), 7.0)
 
 
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny")

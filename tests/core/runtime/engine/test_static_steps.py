@@ -150,7 +150,6 @@ class StaticReference(ReferenceBackend):
         )
 
 
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny")
