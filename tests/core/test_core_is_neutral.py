@@ -43,6 +43,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     # torch's name for host memory, defined once; every other core module uses HOST.
     ("platform/devices.py", "string 'cpu'"): "host memory, not the cpu backend",
     ("platform/devices.py", "string 'gloo'"): "torch.distributed's host-memory collectives (the control group)",
+    ("parallel/ray_executor.py", "string 'CPU'"): "Ray's resource name for a node's cores (a bundle's size)",
 }
 
 

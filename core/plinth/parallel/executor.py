@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,11 +50,37 @@ class WorkerSetup:
     kv_cache_dtype: str
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback, for the world's rendezvous."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host``'s interface (the loopback by default), for the world's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def join_world_as_rank0(init_method: str, world_size: int, timeout_s: float, gone: Callable[[], bool]) -> str | None:
+    """Rank 0's rendezvous, watching the workers: returns None once the world formed, else why not.
+
+    ``gone()`` is polled while rank 0 waits; a worker that is gone (it exited, or its actor died)
+    fails the start at once instead of at the timeout. The caller kills the workers and names them.
+    """
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            init_world(init_method, world_size, 0, timeout_s)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(e)
+
+    thread = threading.Thread(target=join, name="plinth-tp-rendezvous", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s + 5
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+        if gone() or time.monotonic() > deadline:
+            return "the tensor-parallel group did not form"
+    if failure:
+        return f"the tensor-parallel group did not form: {failure[0]}"
+    return None
 
 
 def default_threads(world_size: int) -> int:
@@ -117,25 +144,14 @@ class MultiprocExecutor:
 
     def _join_world(self) -> None:
         """Rank 0's rendezvous, watching the workers: one that exits first fails the start at once."""
-        failure: list[BaseException] = []
 
-        def join() -> None:
-            try:
-                init_world(self.init_method, self.world_size, 0, self.timeout_s)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                failure.append(e)
+        def exited() -> bool:
+            return any(p.poll() not in (None, 0) for p in self.workers)
 
-        thread = threading.Thread(target=join, name="plinth-tp-rendezvous", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.timeout_s + 5
-        while thread.is_alive():
-            thread.join(timeout=0.2)
-            if any(p.poll() not in (None, 0) for p in self.workers) or time.monotonic() > deadline:
-                self.kill()
-                raise WorkerFailure(self.diagnose("the tensor-parallel group did not form"))
-        if failure:
+        why = join_world_as_rank0(self.init_method, self.world_size, self.timeout_s, exited)
+        if why is not None:
             self.kill()
-            raise WorkerFailure(self.diagnose(f"the tensor-parallel group did not form: {failure[0]}"))
+            raise WorkerFailure(self.diagnose(why))
 
     def diagnose(self, what: str) -> str:
         """``what``, with every rank that is gone and the error it reported.

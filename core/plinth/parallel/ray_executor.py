@@ -1,0 +1,316 @@
+"""Tensor parallelism across machines: ranks 1..N-1 as Ray actors on an existing Ray cluster.
+
+Rank 0 stays the engine process (the Ray driver: scheduler, sampler, tokenizer). It connects to a
+running cluster (``$RAY_ADDRESS``, else ``"auto"``: the cluster this machine's ``ray start`` joined;
+it never starts one), reserves a placement group of N-1 bundles (``{"CPU": num_threads or 1}``,
+plus ``$PLINTH_RAY_RESOURCES``), and starts one actor per worker rank in it. Each actor runs the
+very loop a worker process runs (:func:`plinth.parallel.executor._work`): it joins the
+``torch.distributed`` world at ``tcp://<rank 0's node IP>:<free port>``, loads its shard and runs
+each broadcast step. The model's collectives never pass through Ray: Ray only places and watches
+the ranks.
+
+Failure is found as for worker processes: a dead actor's sockets close, so rank 0's next collective
+fails (a hung one at ``distributed_timeout_s``), and :meth:`RayExecutor.diagnose` names the rank
+and, where Ray knows it, why the actor died. The actors share the driver's fate: if the engine
+process dies, Ray kills them.
+
+Environment (read once, when the executor starts):
+
+- ``RAY_ADDRESS``: the cluster to join (``<head IP>:6379``); unset: ``"auto"``.
+- ``PLINTH_RAY_PLACEMENT``: ``SPREAD`` (the default: ranks on different nodes where possible),
+  ``PACK`` or ``STRICT_SPREAD`` (one rank per node, or fail).
+- ``PLINTH_RAY_RESOURCES``: JSON of extra custom resources each worker bundle asks for, e.g.
+  ``{"plinth_worker": 1}`` to keep workers on the nodes started with that resource (Ray does not
+  count the driver's own use of its machine, so SPREAD alone may put a worker beside rank 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from plinth.config import EngineConfig
+from plinth.parallel.comm import CollectiveError, broadcast_object, close_world
+from plinth.parallel.executor import WorkerFailure, _work, free_port, join_world_as_rank0
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_ENV = "PLINTH_RAY_PLACEMENT"
+RESOURCES_ENV = "PLINTH_RAY_RESOURCES"
+STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD")
+#: Ray's resource name for a node's host cores (a bundle's size; nothing to do with any backend).
+HOST_CORES = "CPU"
+#: how long ``close()`` waits for the actors to leave their loop before killing them
+CLOSE_WAIT_S = 10.0
+#: how long :meth:`RayExecutor.diagnose` gives Ray to learn of an actor's death the world already saw
+DIAGNOSE_WAIT_S = 3.0
+
+_HOW_TO_START = (
+    "start one with `ray start --head` on this machine (and `ray start --address=<head IP>:6379` on each "
+    "other machine), or set RAY_ADDRESS to a running cluster's <head IP>:<port>"
+)
+
+
+class RayClusterError(WorkerFailure):
+    """Ray is missing, no cluster is running, or the cluster cannot place the ranks; says the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class RayNode:
+    """Where one rank runs: the Ray node's id and its IP address."""
+
+    node_id: str
+    ip: str
+
+
+class RayWorker:
+    """One worker rank inside a Ray actor (wrapped by ``ray.remote`` when the executor starts)."""
+
+    def node(self) -> RayNode:
+        """The Ray node this actor was placed on."""
+        import ray
+
+        return RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+
+    def run(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
+        """The worker loop, until rank 0 broadcasts the end; an error reaches rank 0 through Ray."""
+        try:
+            _work(config, rank, world_size, init_method)
+        finally:
+            close_world()
+
+
+def placement_strategy() -> str:
+    """``$PLINTH_RAY_PLACEMENT`` (default SPREAD), checked.
+
+    :raises ValueError: it names no strategy Ray has.
+    """
+    value = os.environ.get(PLACEMENT_ENV, "SPREAD").strip().upper()
+    if value not in STRATEGIES:
+        raise ValueError(f"{PLACEMENT_ENV}={os.environ[PLACEMENT_ENV]!r} is not one of {', '.join(STRATEGIES)}")
+    return value
+
+
+def extra_resources() -> dict[str, float]:
+    """``$PLINTH_RAY_RESOURCES``: the custom resources each worker bundle asks for (default none).
+
+    :raises ValueError: it is not a JSON object of positive numbers.
+    """
+    raw = os.environ.get(RESOURCES_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{RESOURCES_ENV}={raw!r} is not JSON ({e}); e.g. '{{\"plinth_worker\": 1}}'") from e
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value.values()
+    ):
+        raise ValueError(
+            f"{RESOURCES_ENV}={raw!r} must be a JSON object of positive numbers, e.g. '{{\"gpu_box\": 1}}'"
+        )
+    if HOST_CORES in value:
+        raise ValueError(f"{RESOURCES_ENV} must not set {HOST_CORES!r}: each bundle's cores come from num_threads")
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise RayClusterError(
+            f"distributed_executor='ray' needs Ray, which is not installed: pip install ray ({e})"
+        ) from e
+    return ray
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast, naming the fix, when ``address`` (``host:port``) has nothing listening."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", a ray:// URL without a port, ...: Ray's own error names it
+    host = host.removeprefix("ray://").strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except OSError as e:
+        raise RayClusterError(f"no Ray cluster is running at RAY_ADDRESS={address} ({e}): {_HOW_TO_START}") from e
+
+
+def connect(ray: Any) -> bool:
+    """Join the running cluster (``$RAY_ADDRESS``, else "auto"); never start one. Returns whether this
+    call connected (False: the process was already connected, and stays so after ``close()``).
+
+    :raises RayClusterError: no cluster is running there.
+    """
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS", "").strip() or "auto"
+    if address != "auto":
+        _check_reachable(address)
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise RayClusterError(f"cannot join a Ray cluster at address={address!r} ({e}): {_HOW_TO_START}") from e
+    return True
+
+
+class RayExecutor:
+    """Ranks 1..N-1 as Ray actors in one placement group; rank 0 is the caller (the Ray driver).
+
+    :param config: the engine's config (each actor builds its shard from it: the model path must
+        name the same files on every node).
+    :param world_size: the tensor-parallel size N.
+    :raises RayClusterError: Ray is missing, no cluster runs, or it cannot place the N-1 ranks.
+    :raises WorkerFailure: a rank failed to start or to join the world (named, with its error).
+    """
+
+    def __init__(self, config: EngineConfig, world_size: int) -> None:
+        if world_size < 2:
+            raise ValueError(f"RayExecutor needs world_size >= 2 (rank 0 is this process), got {world_size}")
+        strategy, extra = placement_strategy(), extra_resources()
+        self.ray = ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world_size = world_size
+        self.timeout_s = config.distributed_timeout_s
+        self.closed = False
+        self.actors: list[Any] = []
+        self._runs: list[Any] = []
+        self._owns_connection = connect(ray)
+        self.driver_node = RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        cores = float(config.num_threads or 1)
+        self.bundle: dict[str, float] = {HOST_CORES: cores, **extra}
+        self.placement = placement_group([dict(self.bundle) for _ in range(world_size - 1)], strategy=strategy)
+        try:
+            self._wait_placed(strategy)
+            actor_cls = ray.remote(RayWorker)
+            for index in range(world_size - 1):
+                placed = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index)
+                options = dict(num_cpus=cores, resources=extra or None, scheduling_strategy=placed)
+                self.actors.append(actor_cls.options(**options).remote())
+            self.nodes: list[RayNode] = self._where()
+            self.init_method = f"tcp://{self.driver_node.ip}:{free_port(self.driver_node.ip)}"
+            self._runs = [
+                actor.run.remote(config, rank, world_size, self.init_method)
+                for rank, actor in enumerate(self.actors, start=1)
+            ]
+            why = join_world_as_rank0(self.init_method, world_size, self.timeout_s, lambda: not self.alive())
+            if why is not None:
+                raise WorkerFailure(self.diagnose(why))
+        except BaseException:
+            self._teardown()
+            raise
+        logger.info(
+            "tensor parallel over Ray: rank 0 on %s, ranks 1..%d on %s (%s)",
+            self.driver_node.ip, world_size - 1, ", ".join(f"{n.ip}/{n.node_id[:8]}" for n in self.nodes), strategy,
+        )  # fmt: skip
+
+    def _wait_placed(self, strategy: str) -> None:
+        """Wait (``distributed_timeout_s``) for the cluster to reserve every bundle, else name the lack."""
+        if self.placement.wait(timeout_seconds=self.timeout_s):
+            return
+        ray, n = self.ray, self.world_size - 1
+        wanted = {k: v * n for k, v in self.bundle.items()}
+        total = ray.cluster_resources()
+        missing = {k: f"{v:g} wanted, {total.get(k, 0):g} in the cluster" for k, v in wanted.items()}
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        raise RayClusterError(
+            f"the Ray cluster did not place {n} worker rank(s) of {self.bundle} each ({strategy}) within "
+            f"{self.timeout_s:g}s: {'; '.join(f'{k}: {v}' for k, v in missing.items())}; {nodes} alive node(s)"
+            f"{' (STRICT_SPREAD needs one per rank)' if strategy == 'STRICT_SPREAD' else ''}. Add nodes with "
+            f"`ray start --address=<head IP>:6379 --num-cpus=...`, lower num_threads, or set {PLACEMENT_ENV}=PACK"
+        )
+
+    def _where(self) -> list[RayNode]:
+        """Each actor's node, once every actor is up; an actor that could not start fails, by rank."""
+        ray, nodes = self.ray, []
+        for rank, actor in enumerate(self.actors, start=1):
+            try:
+                nodes.append(ray.get(actor.node.remote(), timeout=self.timeout_s))
+            except Exception as e:  # noqa: BLE001 - Ray's errors are many: each names the cause
+                raise WorkerFailure(f"rank {rank}'s Ray actor did not start: {_first_line(e)}") from e
+        return nodes
+
+    def diagnose(self, what: str) -> str:
+        """``what``, with every rank whose actor is gone and why (its error, or Ray's death cause)."""
+        ray, parts = self.ray, [what]
+        if self._runs:
+            ray.wait(self._runs, num_returns=len(self._runs), timeout=DIAGNOSE_WAIT_S)  # let Ray catch up
+        for rank, run in enumerate(self._runs, start=1):
+            ready, _ = ray.wait([run], timeout=0)
+            if not ready:
+                continue
+            where = f"rank {rank} (Ray actor on {self.nodes[rank - 1].ip})"
+            try:
+                ray.get(run, timeout=1)
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if isinstance(e.cause, BaseException) else e
+                parts.append(f"{where}: {type(cause).__name__}: {_first_line(cause)}")
+            except ray.exceptions.RayActorError as e:
+                parts.append(f"{where}: the actor died: {_first_line(e)}")
+            except Exception as e:  # noqa: BLE001 - any other Ray error still names the rank
+                parts.append(f"{where}: {type(e).__name__}: {_first_line(e)}")
+            else:
+                parts.append(f"{where}: left its loop")
+        return "; ".join(parts)
+
+    def broadcast(self, obj: Any) -> None:
+        """Send one step (or, ``None``, the end) to every worker.
+
+        :raises WorkerFailure: a rank is gone or the broadcast timed out.
+        """
+        try:
+            broadcast_object(obj)
+        except CollectiveError as e:
+            raise WorkerFailure(self.diagnose(str(e))) from e
+
+    def alive(self) -> bool:
+        """Whether every actor is still in its loop."""
+        if not self._runs:
+            return bool(self.actors)
+        ready, _ = self.ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        return not ready
+
+    def kill(self) -> None:
+        """Kill every actor at once (no goodbye over the world)."""
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)
+
+    def _teardown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        self.kill()
+        with contextlib.suppress(Exception):
+            remove_placement_group(self.placement)
+        close_world()
+        if self._owns_connection:
+            with contextlib.suppress(Exception):
+                self.ray.shutdown()
+
+    def close(self) -> None:
+        """Tell the workers to stop, wait for them (bounded), kill the actors, free the placement group."""
+        if self.closed:
+            return
+        self.closed = True
+        t0 = time.monotonic()
+        if self.alive():
+            with contextlib.suppress(CollectiveError):
+                broadcast_object(None)
+            with contextlib.suppress(Exception):
+                self.ray.wait(self._runs, num_returns=len(self._runs), timeout=CLOSE_WAIT_S)
+        self._teardown()
+        logger.debug("Ray executor closed in %.1fs", time.monotonic() - t0)
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's message, its first non-empty line (Ray's carry whole remote tracebacks)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
