@@ -254,7 +254,7 @@ class RayExecutor:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
                 parts.append(f"{where}: {type(cause).__name__}: {_first_line(cause)}")
             except ray.exceptions.RayActorError as e:
-                parts.append(f"{where}: the actor died: {_first_line(e)}")
+                parts.append(f"{where}: the actor died: {_death_cause(e)}")
             except Exception as e:  # noqa: BLE001 - any other Ray error still names the rank
                 parts.append(f"{where}: {type(e).__name__}: {_first_line(e)}")
             else:
@@ -314,3 +314,11 @@ def _first_line(e: BaseException) -> str:
     """An error's message, its first non-empty line (Ray's carry whole remote tracebacks)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else type(e).__name__
+
+
+def _death_cause(e: BaseException) -> str:
+    """Ray's account of an actor's death, without its indented details (class, pid, namespace, ...):
+    e.g. "The actor died unexpectedly before finishing this task. The actor is dead because it was
+    killed by `ray.kill`."."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line[:1].isspace()]
+    return " ".join(lines) if lines else type(e).__name__

@@ -1,0 +1,215 @@
+"""Tensor parallelism over Ray actors: a two-node Ray cluster on this host (two ``ray start``
+processes, each its own Ray node with its own custom resource), TP=2 with the worker rank pinned to
+the second node gives TP=1's greedy tokens; a killed actor fails the engine naming the rank and
+Ray's death cause; no Ray, no cluster or resources the cluster lacks fail fast, naming the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plinth import LLM, SamplingParams
+from plinth.parallel.executor import WorkerFailure, free_port
+from plinth_conformance.tiny_models import prompts, save_tiny_model
+
+ray = pytest.importorskip("ray", reason="the Ray executor's tests need `pip install ray`")
+
+from plinth.parallel.ray_executor import RayClusterError, RayExecutor  # noqa: E402 - after the skip
+
+ENGINE: dict[str, Any] = dict(
+    num_kv_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, backend="cpu"
+)
+#: fp32 on both sides; only the order of the sums differs (partial products all-reduced)
+LOGPROB_TOL = 1e-4
+RAY = Path(sys.executable).parent / "ray"
+QUIET = {"RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The private two-node cluster: its GCS address, and each node's id by its custom resource."""
+
+    address: str
+    node_ids: dict[str, str]  # "node_a" / "node_b" -> Ray node id
+
+
+def _ray_start(*args: str, temp_dir: str) -> None:
+    env = {**os.environ, **QUIET}
+    cmd = [str(RAY), "start", *args, "--num-cpus=1", "--object-store-memory=100000000", f"--temp-dir={temp_dir}"]
+    subprocess.run(cmd, env=env, check=True, timeout=60, capture_output=True)
+
+
+def _stop(temp_dir: str) -> None:
+    """Stop only this cluster's processes (each names our private temp dir), by pid: a plain
+    ``ray stop`` would stop every Ray process of this user on the host."""
+    mine = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):
+            with contextlib.suppress(OSError):
+                if temp_dir.encode() in (proc / "cmdline").read_bytes():
+                    mine.append(int(proc.name))
+    for pid in mine:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 3  # then kill: a graceful stop of Ray's services takes 10 s and more
+    while mine and time.monotonic() < deadline:
+        mine = [pid for pid in mine if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+        time.sleep(0.2)
+    for pid in mine:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+    return False
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Two Ray nodes on this host: the head (``node_a``) and a second one (``node_b``), one core each."""
+    temp_dir = tempfile.mkdtemp(prefix="plinth-ray-", dir="/tmp")  # short: Ray's socket paths must fit
+    port = free_port()
+    try:
+        _ray_start("--head", f"--port={port}", "--resources={\"node_a\": 1}", "--include-dashboard=false",
+                   temp_dir=temp_dir)  # fmt: skip
+        _ray_start(f"--address=127.0.0.1:{port}", '--resources={"node_b": 1}', temp_dir=temp_dir)
+        address = f"127.0.0.1:{port}"
+        ray.init(address=address, logging_level="WARNING")
+        try:
+            node_ids = {
+                name: node["NodeID"] for node in ray.nodes() if node["Alive"] for name in ("node_a", "node_b")
+                if name in node["Resources"]
+            }  # fmt: skip
+        finally:
+            ray.shutdown()
+        assert set(node_ids) == {"node_a", "node_b"} and node_ids["node_a"] != node_ids["node_b"]
+        yield Cluster(address, node_ids)
+    finally:
+        _stop(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _generate(llm: LLM) -> list[Any]:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    return llm.generate(prompts(0, (1, 9, 17, 40)), params)
+
+
+@pytest.mark.slow
+def test_tp2_over_ray_gives_the_single_process_tokens_with_the_worker_on_the_second_node(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    want = _generate(LLM(model=str(folder), **ENGINE))
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("PLINTH_RAY_RESOURCES", '{"node_b": 1}')  # the driver's node is node_a (the head)
+    t0 = time.monotonic()
+    llm = LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", num_threads=1, **ENGINE)
+    started = time.monotonic() - t0
+    executor = llm.engine.executor
+    try:
+        assert isinstance(executor, RayExecutor) and len(executor.actors) == 1
+        assert executor.driver_node.node_id == cluster.node_ids["node_a"]
+        assert executor.nodes[0].node_id == cluster.node_ids["node_b"] != executor.driver_node.node_id
+        got = _generate(llm)
+        for g, w in zip(got, want, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for la, lb in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or [], strict=True):
+                mine, theirs = dict(la.top), dict(lb.top)
+                assert all(abs(mine[t] - theirs[t]) < LOGPROB_TOL for t in mine if t in theirs)
+    finally:
+        t1 = time.monotonic()
+        llm.engine.close()
+        closed = time.monotonic() - t1
+    assert not ray.is_initialized()  # the executor connected, so it disconnected
+    assert closed < 15, closed
+    print(f"ray TP=2: started in {started:.1f}s, closed in {closed:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_killed_actor_fails_the_engine_naming_the_rank_and_the_death_cause(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("PLINTH_RAY_PLACEMENT", "PACK")
+    llm = LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", num_threads=1, **ENGINE)
+    try:
+        llm.generate([prompts(1, (5,))[0]], SamplingParams(temperature=0, max_tokens=2))  # one round trip
+        executor = llm.engine.executor
+        assert isinstance(executor, RayExecutor) and executor.alive()
+        ray.kill(executor.actors[0])
+        t0 = time.monotonic()
+        with pytest.raises(
+            WorkerFailure, match=r"rank 1 \(Ray actor on [\d.]+\): the actor died: .*killed by `ray\.kill`"
+        ):
+            llm.generate(prompts(2, (9, 9)), SamplingParams(temperature=0, max_tokens=8))
+        assert time.monotonic() - t0 < 15
+        assert not executor.alive()
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+def test_resources_the_cluster_lacks_fail_at_the_timeout_naming_them(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("PLINTH_RAY_RESOURCES", '{"node_c": 1}')
+    t0 = time.monotonic()
+    with pytest.raises(RayClusterError, match=r"did not place 1 worker rank.*node_c: 1 wanted, 0 in the cluster"):
+        LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", distributed_timeout_s=2, **ENGINE)
+    assert time.monotonic() - t0 < 20
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_no_cluster_running_fails_fast_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    assert not ray.is_initialized()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(RayClusterError, match=r"no Ray cluster is running at RAY_ADDRESS=.*ray start --head"):
+        LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", **ENGINE)
+    assert time.monotonic() - t0 < 15
+
+
+def test_without_ray_installed_the_error_says_pip_install_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plinth.config import EngineConfig
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(RayClusterError, match="not installed: pip install ray"):
+        RayExecutor(EngineConfig(), 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("PLINTH_RAY_PLACEMENT", "SCATTER", "PLINTH_RAY_PLACEMENT='SCATTER' is not one of SPREAD, PACK, STRICT_SPREAD"),
+        ("PLINTH_RAY_RESOURCES", "{node_b: 1}", "PLINTH_RAY_RESOURCES='{node_b: 1}' is not JSON"),
+        ("PLINTH_RAY_RESOURCES", '{"node_b": -1}', "must be a JSON object of positive numbers"),
+        ("PLINTH_RAY_RESOURCES", '{"CPU": 2}', "must not set 'CPU'"),
+    ],
+)
+def test_bad_placement_settings_are_refused_naming_the_variable(
+    name: str, value: str, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from plinth.config import EngineConfig
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        RayExecutor(EngineConfig(), 2)
