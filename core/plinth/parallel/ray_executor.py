@@ -27,17 +27,20 @@ Environment (read once, when the executor starts):
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from plinth.config import EngineConfig
 from plinth.parallel.comm import CollectiveError, broadcast_object, close_world
 from plinth.parallel.executor import WorkerFailure, _work, free_port, join_world_as_rank0
+from plinth.platform.devices import HOST_COLLECTIVES_INTERFACE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +83,61 @@ class RayWorker:
 
     def run(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
         """The worker loop, until rank 0 broadcasts the end; an error reaches rank 0 through Ray."""
+        import ray
+
+        interface = collectives_interface(ray.util.get_node_ip_address())
+        if interface is not None:
+            os.environ[HOST_COLLECTIVES_INTERFACE_ENV] = interface  # this actor's process only
         try:
             _work(config, rank, world_size, init_method)
         finally:
             close_world()
+
+
+def collectives_interface(node_ip: str) -> str | None:
+    """The network interface the host collectives must bind for other machines to reach this one,
+    where they would not find it themselves: None unless ``$GLOO_SOCKET_IFNAME`` is unset, the Ray
+    node's IP is not a loopback one, and the host's name resolves to a loopback address (as in many
+    ``/etc/hosts``: the collectives would then advertise 127.0.0.1 to the other nodes, which cannot
+    connect to it). Then the name of the interface that holds ``node_ip`` (Linux), else None with a
+    warning naming the variable to set.
+    """
+    if os.environ.get(HOST_COLLECTIVES_INTERFACE_ENV) or ipaddress.ip_address(node_ip).is_loopback:
+        return None
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        resolved = "127.0.0.1"  # unresolvable: the collectives fall back to the loopback too
+    if not ipaddress.ip_address(resolved).is_loopback:
+        return None
+    interface = _interface_holding(node_ip)
+    if interface is None:
+        logger.warning(
+            "this host's name resolves to %s but its Ray node IP is %s: set %s to the interface holding %s, "
+            "or the other nodes cannot connect to this rank",
+            *(resolved, node_ip, HOST_COLLECTIVES_INTERFACE_ENV, node_ip),
+        )
+    return interface
+
+
+def _interface_holding(ip: str) -> str | None:
+    """The name of the network interface whose IPv4 address is ``ip`` (Linux: SIOCGIFADDR), or None."""
+    try:
+        import fcntl
+        import struct
+
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on this one
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None
 
 
 def placement_strategy() -> str:
@@ -201,7 +255,8 @@ class RayExecutor:
                 actor.run.remote(config, rank, world_size, self.init_method)
                 for rank, actor in enumerate(self.actors, start=1)
             ]
-            why = join_world_as_rank0(self.init_method, world_size, self.timeout_s, lambda: not self.alive())
+            with _bound_collectives(collectives_interface(self.driver_node.ip)):
+                why = join_world_as_rank0(self.init_method, world_size, self.timeout_s, lambda: not self.alive())
             if why is not None:
                 raise WorkerFailure(self.diagnose(why))
         except BaseException:
@@ -308,6 +363,24 @@ class RayExecutor:
                 self.ray.wait(self._runs, num_returns=len(self._runs), timeout=CLOSE_WAIT_S)
         self._teardown()
         logger.debug("Ray executor closed in %.1fs", time.monotonic() - t0)
+
+
+@contextlib.contextmanager
+def _bound_collectives(interface: str | None) -> Iterator[None]:
+    """``$GLOO_SOCKET_IFNAME`` set to ``interface`` (None: left alone) while rank 0 joins the world,
+    then restored: the engine's process keeps no setting it did not ask for."""
+    if interface is None:
+        yield
+        return
+    before = os.environ.get(HOST_COLLECTIVES_INTERFACE_ENV)
+    os.environ[HOST_COLLECTIVES_INTERFACE_ENV] = interface
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HOST_COLLECTIVES_INTERFACE_ENV, None)
+        else:
+            os.environ[HOST_COLLECTIVES_INTERFACE_ENV] = before
 
 
 def _first_line(e: BaseException) -> str:

@@ -16,3 +16,6 @@ HOST = torch.device("cpu")
 #: torch.distributed's backend for host memory: the core's control group (each step's scheduler output
 #: is broadcast over it) and the default device group of a backend that declares no communicator.
 HOST_COLLECTIVES = "gloo"
+#: The environment variable that binds :data:`HOST_COLLECTIVES` to one network interface (by name); unset,
+#: it binds the address the host's name resolves to, which is the loopback on many machines.
+HOST_COLLECTIVES_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"

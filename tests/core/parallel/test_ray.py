@@ -26,7 +26,8 @@ from plinth_conformance.tiny_models import prompts, save_tiny_model
 
 ray = pytest.importorskip("ray", reason="the Ray executor's tests need `pip install ray`")
 
-from plinth.parallel.ray_executor import RayClusterError, RayExecutor  # noqa: E402 - after the skip
+from plinth.parallel import ray_executor  # noqa: E402 - after the skip
+from plinth.parallel.ray_executor import RayClusterError, RayExecutor, collectives_interface  # noqa: E402
 
 ENGINE: dict[str, Any] = dict(
     num_kv_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, backend="cpu"
@@ -213,3 +214,27 @@ def test_bad_placement_settings_are_refused_naming_the_variable(
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match):
         RayExecutor(EngineConfig(), 2)
+
+
+def test_the_collectives_are_bound_to_the_node_ip_only_where_the_host_name_resolves_to_the_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the host's name resolves to 127.0.0.1 (many /etc/hosts), the collectives would advertise
+    the loopback to the other machines: the interface holding the Ray node's IP is named instead."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(ray_executor, "_interface_holding", lambda ip: {"10.1.2.3": "eth7"}.get(ip))
+    monkeypatch.setattr(ray_executor.socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert collectives_interface("10.1.2.3") == "eth7"
+    assert collectives_interface("127.0.0.1") is None  # a one-host cluster on the loopback: nothing to do
+    assert collectives_interface("10.9.9.9") is None  # no interface holds it: a warning names the variable
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bond0")
+    assert collectives_interface("10.1.2.3") is None  # the user's choice stands
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(ray_executor.socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert collectives_interface("10.1.2.3") is None  # the name resolves to a reachable address
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="interface lookup by SIOCGIFADDR is Linux's")
+def test_the_loopback_interface_is_found_by_its_address() -> None:
+    assert ray_executor._interface_holding("127.0.0.1") is not None
+    assert ray_executor._interface_holding("203.0.113.254") is None  # TEST-NET-3: held by no interface here
