@@ -34,7 +34,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "-tp",
         type=positive_int,
         default=1,
-        help="split the model over N ranks: this process and N-1 workers on this host (docs/scale-out.md)",
+        help="split the model over N ranks: this process and N-1 workers (--distributed-executor; docs/scale-out.md)",
     )
     p.add_argument(
         "--pipeline-parallel-size",
@@ -47,7 +47,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--distributed-executor",
         choices=("mp", "ray"),
         default="mp",
-        help="mp: worker processes on this host (default); ray: Ray actors on an existing Ray cluster",
+        help="mp: worker processes on this host (default); ray: Ray actors on an existing Ray cluster ($RAY_ADDRESS)",
     )
     p.add_argument(
         "--distributed-timeout",

@@ -31,6 +31,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -290,7 +291,10 @@ class RayExecutor:
             try:
                 nodes.append(ray.get(actor.node.remote(), timeout=self.timeout_s))
             except Exception as e:  # noqa: BLE001 - Ray's errors are many: each names the cause
-                raise WorkerFailure(f"rank {rank}'s Ray actor did not start: {_first_line(e)}") from e
+                raise WorkerFailure(
+                    f"rank {rank}'s Ray actor did not start: {_root_error(e)} (every node needs plinth, and the "
+                    "model at the same path, in the Python environment its `ray start` runs)"
+                ) from e
         return nodes
 
     def diagnose(self, what: str) -> str:
@@ -311,7 +315,7 @@ class RayExecutor:
             except ray.exceptions.RayActorError as e:
                 parts.append(f"{where}: the actor died: {_death_cause(e)}")
             except Exception as e:  # noqa: BLE001 - any other Ray error still names the rank
-                parts.append(f"{where}: {type(e).__name__}: {_first_line(e)}")
+                parts.append(f"{where}: {_root_error(e)}")
             else:
                 parts.append(f"{where}: left its loop")
         return "; ".join(parts)
@@ -387,6 +391,18 @@ def _first_line(e: BaseException) -> str:
     """An error's message, its first non-empty line (Ray's carry whole remote tracebacks)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else type(e).__name__
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt):")
+
+
+def _root_error(e: BaseException) -> str:
+    """The innermost ``SomeError: message`` line of a Ray error (its text carries the remote
+    traceback, the root cause last), else its first line."""
+    lines = [_ANSI.sub("", line).strip() for line in str(e).splitlines()]
+    raised = [line for line in lines if _RAISED.match(line)]
+    return raised[-1] if raised else _first_line(e)
 
 
 def _death_cause(e: BaseException) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from plinth import LLM, SamplingParams
+from plinth.config import EngineConfig
 from plinth.parallel.executor import WorkerFailure, free_port
 from plinth_conformance.tiny_models import prompts, save_tiny_model
 
@@ -179,6 +180,24 @@ def test_resources_the_cluster_lacks_fail_at_the_timeout_naming_them(
 
 
 @pytest.mark.slow
+def test_an_actor_that_cannot_start_names_its_rank_and_the_root_error(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose Python lacks what the actor needs (here: a module only the driver can import)."""
+    (tmp_path / "driver_only.py").write_text("class Worker:\n    def node(self) -> None: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import driver_only
+
+    monkeypatch.setattr(ray_executor, "RayWorker", driver_only.Worker)
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"rank 1's Ray actor did not start: ModuleNotFoundError: .*driver_only"):
+        RayExecutor(EngineConfig(distributed_timeout_s=20), 2)
+    assert time.monotonic() - t0 < 15
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
 def test_no_cluster_running_fails_fast_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = save_tiny_model("llama", tmp_path / "llama")
     assert not ray.is_initialized()
@@ -190,8 +209,6 @@ def test_no_cluster_running_fails_fast_naming_the_fix(tmp_path: Path, monkeypatc
 
 
 def test_without_ray_installed_the_error_says_pip_install_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    from plinth.config import EngineConfig
-
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(RayClusterError, match="not installed: pip install ray"):
         RayExecutor(EngineConfig(), 2)
@@ -209,8 +226,6 @@ def test_without_ray_installed_the_error_says_pip_install_ray(monkeypatch: pytes
 def test_bad_placement_settings_are_refused_naming_the_variable(
     name: str, value: str, match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from plinth.config import EngineConfig
-
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match):
         RayExecutor(EngineConfig(), 2)
@@ -238,3 +253,14 @@ def test_the_collectives_are_bound_to_the_node_ip_only_where_the_host_name_resol
 def test_the_loopback_interface_is_found_by_its_address() -> None:
     assert ray_executor._interface_holding("127.0.0.1") is not None
     assert ray_executor._interface_holding("203.0.113.254") is None  # TEST-NET-3: held by no interface here
+
+
+def test_a_ray_error_is_named_by_its_root_cause() -> None:
+    """Ray's errors carry the remote traceback (with colour codes); the innermost raise is what counts."""
+    text = (
+        "The actor died because of an error raised in its creation task, \x1b[36mray::W.__init__()\x1b[39m\n"
+        "     ^^^^^^^\nRuntimeError: The actor with name W failed to import on the worker:\n\n"
+        "ModuleNotFoundError: No module named 'plinth'"
+    )
+    assert ray_executor._root_error(RuntimeError(text)) == "ModuleNotFoundError: No module named 'plinth'"
+    assert ray_executor._root_error(RuntimeError("no traceback here\n  at all")) == "no traceback here"
