@@ -67,10 +67,11 @@ class RayClusterError(WorkerFailure):
 
 @dataclass(frozen=True, slots=True)
 class RayNode:
-    """Where one rank runs: the Ray node's id and its IP address."""
+    """Where one rank runs: the Ray node's id, its IP address and the process's id there."""
 
     node_id: str
     ip: str
+    pid: int
 
 
 class RayWorker:
@@ -80,7 +81,7 @@ class RayWorker:
         """The Ray node this actor was placed on."""
         import ray
 
-        return RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        return RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
     def run(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
         """The worker loop, until rank 0 broadcasts the end; an error reaches rank 0 through Ray."""
@@ -237,20 +238,24 @@ class RayExecutor:
         self.timeout_s = config.distributed_timeout_s
         self.closed = False
         self.actors: list[Any] = []
+        self.nodes: list[RayNode] = []  # rank r's node is nodes[r - 1]
+        self.placement: Any = None
         self._runs: list[Any] = []
-        self._owns_connection = connect(ray)
-        self.driver_node = RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         cores = float(config.num_threads or 1)
         self.bundle: dict[str, float] = {HOST_CORES: cores, **extra}
-        self.placement = placement_group([dict(self.bundle) for _ in range(world_size - 1)], strategy=strategy)
+        self._owns_connection = connect(ray)
         try:
+            self.driver_node = RayNode(
+                ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+            )
+            self.placement = placement_group([dict(self.bundle) for _ in range(world_size - 1)], strategy=strategy)
             self._wait_placed(strategy)
             actor_cls = ray.remote(RayWorker)
             for index in range(world_size - 1):
                 placed = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index)
                 options = dict(num_cpus=cores, resources=extra or None, scheduling_strategy=placed)
                 self.actors.append(actor_cls.options(**options).remote())
-            self.nodes: list[RayNode] = self._where()
+            self.nodes = self._where()
             self.init_method = f"tcp://{self.driver_node.ip}:{free_port(self.driver_node.ip)}"
             self._runs = [
                 actor.run.remote(config, rank, world_size, self.init_method)
@@ -306,7 +311,8 @@ class RayExecutor:
             ready, _ = ray.wait([run], timeout=0)
             if not ready:
                 continue
-            where = f"rank {rank} (Ray actor on {self.nodes[rank - 1].ip})"
+            node = self.nodes[rank - 1]
+            where = f"rank {rank} (Ray actor on {node.ip}, pid {node.pid})"
             try:
                 ray.get(run, timeout=1)
             except ray.exceptions.RayTaskError as e:
@@ -347,24 +353,30 @@ class RayExecutor:
         from ray.util.placement_group import remove_placement_group
 
         self.kill()
-        with contextlib.suppress(Exception):
-            remove_placement_group(self.placement)
+        if self.placement is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement)
         close_world()
         if self._owns_connection:
             with contextlib.suppress(Exception):
                 self.ray.shutdown()
 
     def close(self) -> None:
-        """Tell the workers to stop, wait for them (bounded), kill the actors, free the placement group."""
+        """Tell the workers to stop, wait for them, kill the actors, free the placement group, and
+        disconnect if the executor connected. Bounded: the goodbye broadcast by ``distributed_timeout_s``
+        (a hung rank), the wait for the actors to leave their loop by ``CLOSE_WAIT_S``."""
         if self.closed:
             return
         self.closed = True
         t0 = time.monotonic()
         if self.alive():
-            with contextlib.suppress(CollectiveError):
+            try:
                 broadcast_object(None)
-            with contextlib.suppress(Exception):
-                self.ray.wait(self._runs, num_returns=len(self._runs), timeout=CLOSE_WAIT_S)
+            except CollectiveError:
+                pass  # a rank is gone or hung: no use waiting for it to say goodbye
+            else:
+                with contextlib.suppress(Exception):
+                    self.ray.wait(self._runs, num_returns=len(self._runs), timeout=CLOSE_WAIT_S)
         self._teardown()
         logger.debug("Ray executor closed in %.1fs", time.monotonic() - t0)
 

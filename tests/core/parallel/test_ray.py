@@ -156,13 +156,42 @@ def test_a_killed_actor_fails_the_engine_naming_the_rank_and_the_death_cause(
         ray.kill(executor.actors[0])
         t0 = time.monotonic()
         with pytest.raises(
-            WorkerFailure, match=r"rank 1 \(Ray actor on [\d.]+\): the actor died: .*killed by `ray\.kill`"
+            WorkerFailure, match=r"rank 1 \(Ray actor on [\d.]+, pid \d+\): the actor died: .*killed by `ray\.kill`"
         ):
             llm.generate(prompts(2, (9, 9)), SamplingParams(temperature=0, max_tokens=8))
         assert time.monotonic() - t0 < 15
         assert not executor.alive()
     finally:
         llm.engine.close()
+
+
+@pytest.mark.slow
+def test_a_hung_actor_fails_the_engine_at_the_timeout_and_close_stays_bounded(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    llm = LLM(
+        model=str(folder), tensor_parallel_size=2, distributed_executor="ray", distributed_timeout_s=4.0, **ENGINE
+    )
+    executor = llm.engine.executor
+    assert isinstance(executor, RayExecutor)
+    pid = executor.nodes[0].pid  # on this host: both Ray nodes run here
+    try:
+        llm.generate([prompts(1, (5,))[0]], SamplingParams(temperature=0, max_tokens=2))
+        os.kill(pid, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match="rank 0 of 2 failed|timed out|Timed out"):
+            llm.generate(prompts(2, (9,)), SamplingParams(temperature=0, max_tokens=8))
+        elapsed = time.monotonic() - t0
+        assert 3.0 < elapsed < 30, elapsed
+    finally:
+        t1 = time.monotonic()
+        llm.engine.close()  # the goodbye times out (4 s), then the actor is killed, stopped or not
+        closed = time.monotonic() - t1
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert closed < 15, closed
 
 
 @pytest.mark.slow
