@@ -227,6 +227,27 @@ def test_an_actor_that_cannot_start_names_its_rank_and_the_root_error(
 
 
 @pytest.mark.slow
+def test_a_rank_that_raised_is_named_with_its_own_error(cluster: Cluster) -> None:
+    """A worker loop that raised (e.g. its shard would not fit rank 0's KV setup): Ray hands rank 0
+    the remote exception; ``diagnose`` names the rank, where it ran and the original error."""
+
+    def worker_loop() -> None:  # local: Ray ships it by value, no import on the worker
+        raise RuntimeError("rank 1 would run (block size, dtype, kv dtype) (32, 'float32', 'float32')")
+
+    ray.init(address=cluster.address, logging_level="WARNING")
+    try:
+        executor = RayExecutor.__new__(RayExecutor)  # only what diagnose reads: the runs and their nodes
+        executor.ray, executor._runs = ray, [ray.remote(worker_loop).remote()]
+        executor.nodes = [ray_executor.RayNode("n", "10.0.0.7", 4242)]
+        assert executor.diagnose("broadcast of the step from rank 0 failed") == (
+            "broadcast of the step from rank 0 failed; rank 1 (Ray actor on 10.0.0.7, pid 4242): "
+            "RuntimeError: rank 1 would run (block size, dtype, kv dtype) (32, 'float32', 'float32')"
+        )
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow
 def test_no_cluster_running_fails_fast_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = save_tiny_model("llama", tmp_path / "llama")
     assert not ray.is_initialized()
