@@ -50,6 +50,9 @@ RESOURCES_ENV = "PLINTH_RAY_RESOURCES"
 STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD")
 #: Ray's resource name for a node's host cores (a bundle's size; nothing to do with any backend).
 HOST_CORES = "CPU"
+#: the least time an actor gets to start: a process, Ray's and torch's imports (``distributed_timeout_s``
+#: bounds a collective, which this is not)
+ACTOR_START_S = 60.0
 #: how long ``close()`` waits for the actors to leave their loop before killing them
 CLOSE_WAIT_S = 10.0
 #: how long :meth:`RayExecutor.diagnose` gives Ray to learn of an actor's death the world already saw
@@ -78,8 +81,11 @@ class RayWorker:
     """One worker rank inside a Ray actor (wrapped by ``ray.remote`` when the executor starts)."""
 
     def node(self) -> RayNode:
-        """The Ray node this actor was placed on."""
+        """The Ray node this actor was placed on, once the worker's modules are imported (so the
+        rendezvous that follows waits on no import)."""
         import ray
+
+        import plinth.runtime.worker  # noqa: F401 - the import ``_work`` would make, done ahead
 
         return RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
@@ -294,7 +300,7 @@ class RayExecutor:
         ray, nodes = self.ray, []
         for rank, actor in enumerate(self.actors, start=1):
             try:
-                nodes.append(ray.get(actor.node.remote(), timeout=self.timeout_s))
+                nodes.append(ray.get(actor.node.remote(), timeout=max(self.timeout_s, ACTOR_START_S)))
             except Exception as e:  # noqa: BLE001 - Ray's errors are many: each names the cause
                 raise WorkerFailure(
                     f"rank {rank}'s Ray actor did not start: {_root_error(e)} (every node needs plinth, and the "
