@@ -56,7 +56,7 @@ ACTOR_START_S = 60.0
 #: how long ``close()`` waits for the actors to leave their loop before killing them
 CLOSE_WAIT_S = 10.0
 #: how long :meth:`RayExecutor.diagnose` gives Ray to learn of an actor's death the world already saw
-DIAGNOSE_WAIT_S = 3.0
+DIAGNOSE_WAIT_S = 2.0  # as long as the process executor gives a worker to be reaped
 
 _HOW_TO_START = (
     "start one with `ray start --head` on this machine (and `ray start --address=<head IP>:6379` on each "

@@ -23,7 +23,7 @@ import pytest
 from plinth import LLM, SamplingParams
 from plinth.config import EngineConfig
 from plinth.parallel.executor import WorkerFailure, free_port
-from plinth_conformance.tiny_models import prompts, save_tiny_model
+from plinth_conformance.tiny_models import assert_same_generations, prompts, save_tiny_model
 
 ray = pytest.importorskip("ray", reason="the Ray executor's tests need `pip install ray`")
 
@@ -110,45 +110,54 @@ def _generate(llm: LLM) -> list[Any]:
     return llm.generate(prompts(0, (1, 9, 17, 40)), params)
 
 
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's folder (2 layers, 4 heads, 2 KV heads): splits over two ranks either way."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
+
+
+@pytest.fixture(scope="module")
+def single_process(llama: Path) -> list[Any]:
+    """What one process generates: the reference every Ray run must equal."""
+    llm = LLM(model=str(llama), **ENGINE)
+    try:
+        return _generate(llm)
+    finally:
+        llm.engine.close()
+
+
 @pytest.mark.slow
-def test_tp2_over_ray_gives_the_single_process_tokens_with_the_worker_on_the_second_node(
-    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_two_ranks_over_ray_give_the_single_process_tokens_with_the_worker_on_the_second_node(
+    sizes: dict[str, Any], cluster: Cluster, llama: Path, single_process: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    folder = save_tiny_model("llama", tmp_path / "llama")
-    want = _generate(LLM(model=str(folder), **ENGINE))
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     monkeypatch.setenv("PLINTH_RAY_RESOURCES", '{"node_b": 1}')  # the driver's node is node_a (the head)
     t0 = time.monotonic()
-    llm = LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", num_threads=1, **ENGINE)
+    llm = LLM(model=str(llama), distributed_executor="ray", num_threads=1, **sizes, **ENGINE)
     started = time.monotonic() - t0
     executor = llm.engine.executor
     try:
         assert isinstance(executor, RayExecutor) and len(executor.actors) == 1
         assert executor.driver_node.node_id == cluster.node_ids["node_a"]
         assert executor.nodes[0].node_id == cluster.node_ids["node_b"] != executor.driver_node.node_id
-        got = _generate(llm)
-        for g, w in zip(got, want, strict=True):
-            assert g.outputs[0].token_ids == w.outputs[0].token_ids
-            for la, lb in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or [], strict=True):
-                mine, theirs = dict(la.top), dict(lb.top)
-                assert all(abs(mine[t] - theirs[t]) < LOGPROB_TOL for t in mine if t in theirs)
+        assert_same_generations(_generate(llm), single_process, LOGPROB_TOL)
     finally:
         t1 = time.monotonic()
         llm.engine.close()
         closed = time.monotonic() - t1
     assert not ray.is_initialized()  # the executor connected, so it disconnected
     assert closed < 15, closed
-    print(f"ray TP=2: started in {started:.1f}s, closed in {closed:.1f}s")
+    print(f"ray {sizes}: started in {started:.1f}s, closed in {closed:.1f}s")
 
 
 @pytest.mark.slow
 def test_a_killed_actor_fails_the_engine_naming_the_rank_and_the_death_cause(
-    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    folder = save_tiny_model("llama", tmp_path / "llama")
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     monkeypatch.setenv("PLINTH_RAY_PLACEMENT", "PACK")
-    llm = LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", num_threads=1, **ENGINE)
+    llm = LLM(model=str(llama), tensor_parallel_size=2, distributed_executor="ray", num_threads=1, **ENGINE)
     try:
         llm.generate([prompts(1, (5,))[0]], SamplingParams(temperature=0, max_tokens=2))  # one round trip
         executor = llm.engine.executor
@@ -167,13 +176,10 @@ def test_a_killed_actor_fails_the_engine_naming_the_rank_and_the_death_cause(
 
 @pytest.mark.slow
 def test_a_hung_actor_fails_the_engine_at_the_timeout_and_close_stays_bounded(
-    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    folder = save_tiny_model("llama", tmp_path / "llama")
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    llm = LLM(
-        model=str(folder), tensor_parallel_size=2, distributed_executor="ray", distributed_timeout_s=4.0, **ENGINE
-    )
+    llm = LLM(model=str(llama), tensor_parallel_size=2, distributed_executor="ray", distributed_timeout_s=4.0, **ENGINE)
     executor = llm.engine.executor
     assert isinstance(executor, RayExecutor)
     pid = executor.nodes[0].pid  # on this host: both Ray nodes run here
@@ -196,14 +202,13 @@ def test_a_hung_actor_fails_the_engine_at_the_timeout_and_close_stays_bounded(
 
 @pytest.mark.slow
 def test_resources_the_cluster_lacks_fail_at_the_timeout_naming_them(
-    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    folder = save_tiny_model("llama", tmp_path / "llama")
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     monkeypatch.setenv("PLINTH_RAY_RESOURCES", '{"node_c": 1}')
     t0 = time.monotonic()
     with pytest.raises(RayClusterError, match=r"did not place 1 worker rank.*node_c: 1 wanted, 0 in the cluster"):
-        LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", distributed_timeout_s=2, **ENGINE)
+        LLM(model=str(llama), tensor_parallel_size=2, distributed_executor="ray", distributed_timeout_s=2, **ENGINE)
     assert time.monotonic() - t0 < 20
     assert not ray.is_initialized()
 
@@ -248,13 +253,12 @@ def test_a_rank_that_raised_is_named_with_its_own_error(cluster: Cluster) -> Non
 
 
 @pytest.mark.slow
-def test_no_cluster_running_fails_fast_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = save_tiny_model("llama", tmp_path / "llama")
+def test_no_cluster_running_fails_fast_naming_the_fix(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not ray.is_initialized()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(RayClusterError, match=r"no Ray cluster is running at RAY_ADDRESS=.*ray start --head"):
-        LLM(model=str(folder), tensor_parallel_size=2, distributed_executor="ray", **ENGINE)
+        LLM(model=str(llama), tensor_parallel_size=2, distributed_executor="ray", **ENGINE)
     assert time.monotonic() - t0 < 15
 
 
