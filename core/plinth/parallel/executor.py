@@ -15,6 +15,7 @@ reported, and never waits forever. A worker whose start fails reports its error 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -102,11 +103,15 @@ class Executor(Protocol):
 
 def make_executor(config: EngineConfig, world_size: int) -> Executor:
     """The executor ``config.distributed_executor`` names: local processes ("mp") or Ray actors ("ray")."""
+    executor: Executor
     if config.distributed_executor == "ray":
         from plinth.parallel.ray_executor import RayExecutor
 
-        return RayExecutor(config, world_size)
-    return MultiprocExecutor(config, world_size)
+        executor = RayExecutor(config, world_size)
+    else:
+        executor = MultiprocExecutor(config, world_size)
+    atexit.register(executor.close)  # a script that never closes its engine still ends its workers cleanly
+    return executor
 
 
 class MultiprocExecutor:
