@@ -7,28 +7,22 @@ the scheduler, the runner and the detokenizer.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from plinth.config import EngineConfig, compile_cache_dir
-from plinth.model.config import ModelConfig
-from plinth.model.context import ModelKernels
-from plinth.model.loader import ModelSource, load_config, load_model, load_tokenizer, resolve_model
+from plinth.model.loader import load_tokenizer
 from plinth.model.tokenizer import IncrementalDetokenizer
 from plinth.parallel.comm import CollectiveError
 from plinth.parallel.executor import Executor, WorkerFailure, WorkerSetup, default_threads, make_executor
-from plinth.parallel.pipeline import PipelineError, PipelineStage, stage_layers
-from plinth.parallel.sharding import ShardingError, ShardPlan, TensorParallel
-from plinth.platform.backend import AttentionSpec, Backend, Capabilities, DeviceServices, StepBuckets, torch_dtype
-from plinth.platform.host import BackendStatus, PluginHost, default_host
-from plinth.platform.kernels import KernelSet, resolve_kernels
+from plinth.platform.backend import DeviceServices, StepBuckets, torch_dtype
+from plinth.platform.host import PluginHost, default_host
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, load_parts
 from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
@@ -40,121 +34,8 @@ from plinth.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-_PREFERRED_BLOCK_SIZE = 16
 _DEFAULT_KV_FRACTION = 0.3  # of free memory, when the user does not size the cache
 _MAX_DEFAULT_KV_BYTES = 1 << 30
-
-
-def allocate_kv_caches(
-    backend: Backend, specs: list[AttentionSpec], num_blocks: int, *, prefault: bool
-) -> list[torch.Tensor]:
-    """One KV cache per layer from ``backend``; ``prefault`` is passed only to an implementation that
-    takes it (API 1.4), as pluggy prunes a hook argument an older implementation does not know."""
-    allocate = backend.allocate_kv_cache
-    if "prefault" in inspect.signature(allocate).parameters:
-        return [allocate(spec, num_blocks, prefault=prefault) for spec in specs]
-    caches = [allocate(spec, num_blocks) for spec in specs]
-    if prefault:
-        for cache in caches:
-            cache.zero_()  # what the engine did for every backend before 1.4: every page touched now
-    return caches
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses (the others keep running). The message names what was wrong."""
-
-
-@dataclass(slots=True)
-class ModelParts:
-    """What every rank builds the same way: the backend, its kernels and (its shard of) the model."""
-
-    status: BackendStatus
-    backend: Backend
-    services: DeviceServices
-    caps: Capabilities
-    kernels: KernelSet
-    model: Any
-    model_config: ModelConfig
-    source: ModelSource
-    dtype: str
-    kv_dtype: str
-    block_size: int
-    seconds: dict[str, float]
-    #: this rank's pipeline stage (None without pipeline parallelism)
-    stage: PipelineStage | None = None
-
-
-def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_size: int = 1) -> ModelParts:
-    """Select the backend, resolve its kernels and load the model: all of it, or with
-    ``world_size > 1`` rank ``rank``'s tensor-parallel shard (``torch.distributed`` already joined).
-
-    :raises InvalidRequest: a quantization the backend cannot run, or a model that does not split.
-    """
-    t0 = time.monotonic()
-    status = host.select(config.backend)
-    backend = status.backend
-    services = backend.device_services()
-    if config.num_threads is not None:  # before any kernels are asked for, so they start with it
-        services.set_num_threads(config.num_threads)
-    dtype = config.dtype or services.default_dtype()
-    kv_dtype = config.kv_cache_dtype or dtype
-    caps = backend.capabilities()
-    block_size = (
-        config.block_size
-        or caps.preferred_block_size
-        or (_PREFERRED_BLOCK_SIZE if _PREFERRED_BLOCK_SIZE in caps.block_sizes else caps.block_sizes[0])
-    )
-    kernels = resolve_kernels(backend, host.kernel_providers(backend.name), dtype, config.strict)
-    quant_formats = caps.quant_formats if config.quantization != "none" else frozenset()
-    if config.quantization == "int8" and "q8_0" not in quant_formats:
-        raise InvalidRequest(
-            f"quantization 'int8' needs a backend that multiplies q8_0 weights; {backend.name} declares "
-            f"{', '.join(sorted(caps.quant_formats)) or 'no quantized formats'}"
-        )
-    seconds = {"backend": time.monotonic() - t0}
-    lap = time.monotonic()
-    source = resolve_model(config.model)
-    tp = pp = None
-    if world_size > 1:
-        device = services.device_for_rank(rank)
-        if device != services.device:
-            raise InvalidRequest(
-                f"backend {backend.name!r} maps rank {rank} to {device}: per-rank devices are not wired in yet"
-            )
-        model_config = load_config(source)
-        try:
-            if config.pipeline_parallel_size > 1:
-                layers = stage_layers(model_config.num_layers, world_size, rank)
-            else:
-                plan = ShardPlan.for_config(model_config, rank, world_size)
-        except (ShardingError, PipelineError) as e:
-            raise InvalidRequest(str(e)) from None
-        comm = services.communicator(world_size, rank, caps.communicator)
-        if config.pipeline_parallel_size > 1:
-            pp = PipelineStage(rank, world_size, layers, comm)
-        else:
-            tp = TensorParallel(plan, comm)
-    model, model_config = load_model(
-        source,
-        ModelKernels(
-            gemm=kernels.gemm,
-            ops=kernels.ops,
-            attention=kernels.attention,
-            device=services.device,
-            quant_formats=quant_formats,
-            quantize="q8_0" if config.quantization == "int8" else None,
-            tp=tp,
-            pp=pp,
-        ),
-        dtype=torch_dtype(dtype),
-        block_size=block_size,
-        kv_cache_dtype=kv_dtype,
-        allow_pickle=config.allow_pickle,
-    )
-    seconds["weights"] = time.monotonic() - lap
-    return ModelParts(
-        status, backend, services, caps, kernels, model, model_config, source, dtype, kv_dtype, block_size, seconds, pp
-    )
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """A tensor-parallel worker rank's half of the engine: its shard of the model, its KV cache, a runner.
 
 Rank 0 (:class:`plinth.runtime.engine.LLMEngine`) owns the scheduler, the sampler and the tokenizer;
-a worker owns only what its forward needs, built by the same :func:`~plinth.runtime.engine.load_parts`
+a worker owns only what its forward needs, built by the same :func:`~plinth.runtime.parts.load_parts`
 from the same config, so both sides pick the same backend, dtype and block size.
 """
 
@@ -11,7 +11,7 @@ from plinth.config import EngineConfig
 from plinth.parallel.comm import broadcast_object
 from plinth.parallel.executor import WorkerSetup
 from plinth.platform.host import default_host
-from plinth.runtime.engine import allocate_kv_caches, load_parts
+from plinth.runtime.parts import allocate_kv_caches, load_parts
 from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 
