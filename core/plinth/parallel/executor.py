@@ -223,7 +223,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
     Returns the exit status; a fatal error is written to ``report`` (for rank 0) and to stderr.
     """
     try:
-        _work(config, rank, world_size, init_method)
+        worker_loop(config, rank, world_size, init_method)
     except BaseException as e:  # noqa: BLE001 - report, then exit non-zero: rank 0 names it
         with open(report, "w", encoding="utf-8") as f:
             f.write(f"{type(e).__name__}: {e}")
@@ -234,7 +234,9 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
     return 0
 
 
-def _work(config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
+def worker_loop(config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
+    """A worker rank's life, however it was started (a process here, a Ray actor): join the world,
+    load the shard or stage, then run each step rank 0 broadcasts until it sends ``None``."""
     import torch
 
     from plinth.runtime.worker import build_worker

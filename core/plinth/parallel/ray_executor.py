@@ -4,7 +4,7 @@ Rank 0 stays the engine process (the Ray driver: scheduler, sampler, tokenizer).
 running cluster (``$RAY_ADDRESS``, else ``"auto"``: the cluster this machine's ``ray start`` joined;
 it never starts one), reserves a placement group of N-1 bundles (``{"CPU": num_threads or 1}``,
 plus ``$PLINTH_RAY_RESOURCES``), and starts one actor per worker rank in it. Each actor runs the
-very loop a worker process runs (:func:`plinth.parallel.executor._work`): it joins the
+very loop a worker process runs (:func:`plinth.parallel.executor.worker_loop`): it joins the
 ``torch.distributed`` world at ``tcp://<rank 0's node IP>:<free port>``, loads its shard and runs
 each broadcast step. The model's collectives never pass through Ray: Ray only places and watches
 the ranks.
@@ -40,7 +40,7 @@ from typing import Any
 
 from plinth.config import EngineConfig
 from plinth.parallel.comm import CollectiveError, broadcast_object, close_world
-from plinth.parallel.executor import WorkerFailure, _work, free_port, join_world_as_rank0
+from plinth.parallel.executor import WorkerFailure, free_port, join_world_as_rank0, worker_loop
 from plinth.platform.devices import HOST_COLLECTIVES_INTERFACE_ENV
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class RayWorker:
         rendezvous that follows waits on no import)."""
         import ray
 
-        import plinth.runtime.worker  # noqa: F401 - the import ``_work`` would make, done ahead
+        import plinth.runtime.worker  # noqa: F401 - the import ``worker_loop`` would make, done ahead
 
         return RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
@@ -97,7 +97,7 @@ class RayWorker:
         if interface is not None:
             os.environ[HOST_COLLECTIVES_INTERFACE_ENV] = interface  # this actor's process only
         try:
-            _work(config, rank, world_size, init_method)
+            worker_loop(config, rank, world_size, init_method)
         finally:
             close_world()
 
