@@ -694,7 +694,7 @@ class CompiledStep(ABC):
 
         The default runs one all-padding step per shape (:meth:`StepInputs.dummy`: it writes nothing).
 
-        .. versionchanged:: 1.6
+        .. versionchanged:: 1.7
            a default (it was abstract).
         """
         for i, shape in enumerate(shapes):
