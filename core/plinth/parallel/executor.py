@@ -27,9 +27,10 @@ import tempfile
 import threading
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from plinth.config import EngineConfig
 from plinth.parallel.comm import CollectiveError, broadcast_object, close_world, init_world
@@ -89,16 +90,30 @@ def default_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-class Executor(Protocol):
-    """What the engine needs of the workers' keeper, however they were started."""
+class Executor(ABC):
+    """What the engine needs of the workers' keeper, however they were started (processes, Ray)."""
 
-    def broadcast(self, obj: Any) -> None: ...
+    def broadcast(self, obj: Any) -> None:
+        """Send one step (or, ``None``, the end) to every worker.
 
-    def diagnose(self, what: str) -> str: ...
+        :raises WorkerFailure: a rank is gone or the broadcast timed out (named by :meth:`diagnose`).
+        """
+        try:
+            broadcast_object(obj)
+        except CollectiveError as e:
+            raise WorkerFailure(self.diagnose(str(e))) from e
 
-    def alive(self) -> bool: ...
+    @abstractmethod
+    def diagnose(self, what: str) -> str:
+        """``what``, with every rank that is gone and why."""
 
-    def close(self) -> None: ...
+    @abstractmethod
+    def alive(self) -> bool:
+        """Whether every worker is still in its loop."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the workers (bounded in time, idempotent)."""
 
 
 def make_executor(config: EngineConfig, world_size: int) -> Executor:
@@ -114,7 +129,7 @@ def make_executor(config: EngineConfig, world_size: int) -> Executor:
     return executor
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     """Ranks 1..N-1 as local processes (``python -m plinth.parallel.executor``); rank 0 is the caller.
 
     Workers are started as fresh interpreters, not forked or spawned from the caller's main module,
@@ -179,16 +194,6 @@ class MultiprocExecutor:
             elif proc.poll() is not None:
                 parts.append(f"rank {rank}: exited with code {proc.returncode}")
         return "; ".join(parts)
-
-    def broadcast(self, obj: Any) -> None:
-        """Send one step (or, ``None``, the end) to every worker.
-
-        :raises WorkerFailure: a rank is gone or the broadcast timed out.
-        """
-        try:
-            broadcast_object(obj)
-        except CollectiveError as e:
-            raise WorkerFailure(self.diagnose(str(e))) from e
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.workers)

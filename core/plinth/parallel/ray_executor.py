@@ -40,7 +40,7 @@ from typing import Any
 
 from plinth.config import EngineConfig
 from plinth.parallel.comm import CollectiveError, broadcast_object, close_world
-from plinth.parallel.executor import WorkerFailure, free_port, join_world_as_rank0, worker_loop
+from plinth.parallel.executor import Executor, WorkerFailure, free_port, join_world_as_rank0, worker_loop
 from plinth.platform.devices import HOST_COLLECTIVES_INTERFACE_ENV
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def connect(ray: Any) -> bool:
     return True
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """Ranks 1..N-1 as Ray actors in one placement group; rank 0 is the caller (the Ray driver).
 
     :param config: the engine's config (each actor builds its shard from it: the model path must
@@ -331,16 +331,6 @@ class RayExecutor:
             else:
                 parts.append(f"{where}: left its loop")
         return "; ".join(parts)
-
-    def broadcast(self, obj: Any) -> None:
-        """Send one step (or, ``None``, the end) to every worker.
-
-        :raises WorkerFailure: a rank is gone or the broadcast timed out.
-        """
-        try:
-            broadcast_object(obj)
-        except CollectiveError as e:
-            raise WorkerFailure(self.diagnose(str(e))) from e
 
     def alive(self) -> bool:
         """Whether every actor is still in its loop."""

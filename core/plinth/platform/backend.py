@@ -860,8 +860,9 @@ class DeviceServices:
         """The collectives of this rank's device group, once ``torch.distributed`` is initialised
         (the core does that, with a CPU group it keeps for its own control messages).
 
-        ``backend`` is the backend's ``Capabilities.communicator`` ("gloo", "nccl", "hccl", ...; None:
-        gloo). The default makes a new ``torch.distributed`` group of that backend over every rank.
+        ``backend`` is the backend's ``Capabilities.communicator`` (a ``torch.distributed`` backend
+        name; None: the host collectives, :data:`plinth.platform.devices.HOST_COLLECTIVES`). The
+        default makes a new ``torch.distributed`` group of that backend over every rank.
 
         .. versionadded:: 1.7
         """

@@ -235,8 +235,9 @@ class Capabilities:
     #:
     #: .. versionadded:: 1.6
     preferred_block_size: int | None = None
-    #: The ``torch.distributed`` backend of this device's process group (``"gloo"``, ``"nccl"``,
-    #: ``"hccl"``, ...), for tensor and pipeline parallelism; None: not declared.
+    #: The ``torch.distributed`` backend of this device's process group (the name the backend's
+    #: vendor registers with torch), for tensor and pipeline parallelism; None: not declared (the
+    #: host collectives are used).
     #:
     #: .. versionadded:: 1.6
     communicator: str | None = None

@@ -182,9 +182,6 @@ class GaudiAttention(AttentionKernels):
         k_cache, v_cache = self._halves(kv_cache)
         flat = FlatBlocks.from_metadata(meta, self.spec.block_size)
         options = {"soft_cap": self.spec.logits_soft_cap, "sliding_window": self.spec.sliding_window}
-        if meta.decode_only:
-            b = meta.num_seqs
-            out = torch.zeros_like(query)
-            out[:b] = flat_decode(query[:b], k_cache, v_cache, flat, meta.seq_lens, scale, **options)
-            return out
+        if meta.decode_only:  # token i is sequence i's (T == B): the output needs no scatter
+            return flat_decode(query, k_cache, v_cache, flat, meta.seq_lens, scale, **options)
         return flat_prefill(query, k_cache, v_cache, flat, meta, scale, **options)
