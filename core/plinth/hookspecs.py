@@ -41,7 +41,7 @@ The contract objects
 - quantized weights a GEMM may receive, :mod:`plinth.platform.quant`: ``QuantizedWeight``,
   ``dequantize``;
 - the reference kernels a starter plugin subclasses, :mod:`plinth.platform.reference`:
-  ``ReferenceAttention``, ``ReferenceGemm``.
+  ``ReferenceAttention``, ``ReferenceGemm``, ``ReferenceMoE``.
 
 Version history
 ---------------
@@ -99,6 +99,11 @@ API    adds / changes
        ``Capabilities.communicator``, gloo where none is declared);
        ``DeviceServices.device_for_rank(local_rank)`` (default: the one device);
        ``CompiledStep.warmup`` has a default (one dummy step per shape)
+1.8    the fused mixture-of-experts op: ``MoESpec``, ``Capabilities.fused_moe``
+       (``MoECapabilities``: dtypes, quantized formats, max experts and top-k, activations),
+       ``Backend.moe_kernels(spec)`` / ``KernelProvider.moe_kernels(spec)`` -> ``MoEKernels``
+       (``prepare``, ``prepare_quantized``, ``forward``) with ``ExpertWeights`` and the routing
+       rule ``route_experts`` (default: none supplied; the core runs ``ReferenceMoE``)
 =====  ===========================================================================================
 """
 
@@ -116,7 +121,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 7)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 8)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -137,6 +142,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     "Capabilities.block_placement, preferred_block_size, communicator",
     (1, 7): "scale-out: Communicator from DeviceServices.communicator (default torch.distributed), "
     "DeviceServices.device_for_rank",
+    (1, 8): "fused MoE: MoESpec, Capabilities.fused_moe (MoECapabilities), Backend.moe_kernels and "
+    "KernelProvider.moe_kernels -> MoEKernels (ExpertWeights), route_experts, ReferenceMoE",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.
@@ -150,6 +157,8 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.values.Capabilities",
     "plinth.platform.values.StepBuckets",
     "plinth.platform.values.StepShape",
+    "plinth.platform.values.MoESpec",
+    "plinth.platform.values.MoECapabilities",
     "plinth.platform.backend.Backend",
     "plinth.platform.backend.DeviceServices",
     "plinth.platform.backend.AttentionKernels",
@@ -166,6 +175,9 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.backend.Communicator",
     "plinth.platform.backend.PendingSend",
     "plinth.platform.backend.FlatBlocks",
+    "plinth.platform.backend.MoEKernels",
+    "plinth.platform.backend.ExpertWeights",
+    "plinth.platform.backend.route_experts",
     "plinth.platform.backend.torch_dtype",
     "plinth.platform.backend.canonical_kv_view",
     "plinth.platform.backend.dtype_name",
@@ -173,6 +185,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.quant.dequantize",
     "plinth.platform.reference.ReferenceAttention",
     "plinth.platform.reference.ReferenceGemm",
+    "plinth.platform.reference.ReferenceMoE",
 )
 
 

@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, GemmKernels, SmallOps
+from plinth.platform.backend import (
+    AttentionKernels,
+    AttentionMetadata,
+    AttentionSpec,
+    GemmKernels,
+    MoEKernels,
+    MoESpec,
+    SmallOps,
+)
 from plinth.platform.devices import HOST
 
 if TYPE_CHECKING:
@@ -37,7 +45,9 @@ class ModelKernels:
     formats the GEMM takes natively (weights in other formats are dequantized at load);
     ``quantize`` ("q8_0") quantizes floating-point linear weights at load, None keeps them.
     ``tp`` is this rank's tensor-parallel slice and collectives (None: one process holds the model);
-    ``pp`` its pipeline stage (None: every layer here).
+    ``pp`` its pipeline stage (None: every layer here). ``moe`` maps an MoE layer's
+    :class:`MoESpec` to its fused-MoE op (None: the reference op); ``moe_quant_formats`` are the
+    block formats that op takes its experts in (others are dequantized at load).
     """
 
     gemm: GemmKernels
@@ -48,3 +58,5 @@ class ModelKernels:
     quantize: str | None = None
     tp: TensorParallel | None = None
     pp: PipelineStage | None = None
+    moe: Callable[[MoESpec], MoEKernels] | None = None
+    moe_quant_formats: frozenset[str] = frozenset()

@@ -26,6 +26,8 @@ from plinth.platform.values import (
     AttentionSpec,
     Capabilities,
     KVCacheLayout,
+    MoECapabilities,
+    MoESpec,
     NotSupported,
     Probe,
     StepBuckets,
@@ -42,6 +44,10 @@ __all__ = [
     "CompiledStep",
     "Communicator",
     "DeviceServices",
+    "ExpertWeights",
+    "MoECapabilities",
+    "MoEKernels",
+    "MoESpec",
     "PendingSend",
     "FlatBlocks",
     "GemmKernels",
@@ -59,6 +65,7 @@ __all__ = [
     "StepShape",
     "canonical_kv_view",
     "dtype_name",
+    "route_experts",
     "torch_dtype",
 ]
 
@@ -455,6 +462,75 @@ class GemmKernels(ABC):
         .. versionadded:: 1.1
         """
         return self.prepare(dequantize(weight), bias)
+
+
+def route_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused-MoE op's routing rule: ``router_logits`` [T, E] -> (weights [T, k] fp32, ids [T, k] int64).
+
+    Softmax over the experts in fp32, the ``top_k`` largest probabilities (largest first; among
+    equal ones torch's ``topk`` picks), divided by their sum when ``renormalize``. A backend may
+    route its own way as long as it picks the same experts with the same weights.
+
+    .. versionadded:: 1.8
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    """A layer's experts as a backend's fused-MoE op prepared them: dense stacks or its own format.
+
+    ``gate_up`` is ``[E, 2 * I, H]`` (each expert's gate rows, then its up rows) and ``down``
+    ``[E, H, I]`` where the op keeps them dense; ``data`` holds anything else it made.
+
+    .. versionadded:: 1.8
+    """
+
+    spec: MoESpec
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
+    format: str = "dense"
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class MoEKernels(ABC):
+    """A fused mixture-of-experts op for one :class:`MoESpec`.
+
+    ``forward(x, router_logits, weights)`` is, for every token, the sum over its ``top_k`` experts
+    (chosen and weighted by :func:`route_experts`) of ``w * down_e(act(gate_e(x)) * up_e(x))``,
+    where ``act`` is ``spec.activation``. A fast implementation groups the step's tokens by expert
+    so that each expert's weights are read once per step, not once per token. The reference
+    (:class:`plinth.platform.reference.ReferenceMoE`) is the oracle and the per-op fallback.
+
+    .. versionadded:: 1.8
+    """
+
+    def __init__(self, spec: MoESpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+        """Lay out dense experts once, at load time: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]."""
+
+    def prepare_quantized(self, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> ExpertWeights:
+        """Prepare experts kept in ``spec.quant_format``: one ``[2I, H]`` and one ``[H, I]`` weight per expert.
+
+        The core calls this only when the backend declares the format in
+        ``MoECapabilities.quant_formats``. The default dequantizes and calls :meth:`prepare`, so
+        declaring a format without overriding this is correct, merely not compact.
+        """
+        dtype = torch_dtype(self.spec.dtype)
+        stack_gate_up = torch.stack([dequantize(w) for w in gate_up]).to(dtype)
+        stack_down = torch.stack([dequantize(w) for w in down]).to(dtype)
+        return self.prepare(stack_gate_up, stack_down)
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        """``x`` [T, H] in ``spec.dtype``, ``router_logits`` [T, E] -> [T, H] in ``spec.dtype``."""
 
 
 class SmallOps:
@@ -920,6 +996,14 @@ class Backend(ABC):
         """Norm, activation and rotary ops; the default is plain torch."""
         return SmallOps()
 
+    def moe_kernels(self, spec: MoESpec) -> MoEKernels:
+        """The fused-MoE op for ``spec``; raise :class:`NotSupported` for a case not declared in
+        ``Capabilities.fused_moe``. The default supplies none (MoE layers then run the reference op).
+
+        .. versionadded:: 1.8
+        """
+        raise NotSupported(self.name, "fused MoE", "the backend supplies no fused-MoE op")
+
     def step_buckets(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> StepBuckets | None:
         """The shapes to pad every step to, for an engine whose steps have at most ``max_tokens``
         query tokens, ``max_seqs`` sequences and ``max_blocks_per_seq`` blocks per sequence; None
@@ -982,4 +1066,11 @@ class KernelProvider(ABC):
 
     def gemm_kernels(self, dtype: str) -> GemmKernels | None:
         """GEMM for ``dtype``, or None when this provider does not cover it."""
+        return None
+
+    def moe_kernels(self, spec: MoESpec) -> MoEKernels | None:
+        """A fused-MoE op for ``spec``, or None when this provider does not cover it.
+
+        .. versionadded:: 1.8
+        """
         return None

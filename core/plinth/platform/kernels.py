@@ -19,15 +19,21 @@ from plinth.platform.backend import (
     Backend,
     GemmKernels,
     KernelProvider,
+    MoEKernels,
+    MoESpec,
     NotSupported,
     SmallOps,
     torch_dtype,
 )
-from plinth.platform.reference import ReferenceAttention, ReferenceGemm
+from plinth.platform.reference import ReferenceAttention, ReferenceGemm, ReferenceMoE
 
 logger = logging.getLogger(__name__)
 
-_K = TypeVar("_K", GemmKernels, AttentionKernels)
+_K = TypeVar("_K", GemmKernels, AttentionKernels, MoEKernels)
+
+
+def _reference_moe(spec: MoESpec) -> MoEKernels:
+    return ReferenceMoE(spec)
 
 
 @dataclass(slots=True)
@@ -39,6 +45,8 @@ class KernelSet:
     ops: SmallOps
     #: Called once per attention layer spec as the model is built.
     attention: Callable[[AttentionSpec], AttentionKernels]
+    #: Called once per MoE layer spec as the model loads its experts (API 1.8).
+    moe: Callable[[MoESpec], MoEKernels] = _reference_moe
     #: One line per op that fell back to the reference kernel (each distinct case once; attention
     #: cases are added as the model's layers are built). Logged as a warning when taken, and shown
     #: by ``plinth generate`` and in ``plinth bench`` results, since it means "slow".
@@ -124,4 +132,21 @@ def resolve_kernels(
             fallback("attention", err)
             return ReferenceAttention(spec, layout)
 
-    return KernelSet(backend=backend, gemm=gemm, ops=backend.small_ops(), attention=attention, fallbacks=fallbacks)
+    def moe(spec: MoESpec) -> MoEKernels:
+        def make(provider: KernelProvider) -> MoEKernels | None:
+            return provider.moe_kernels(spec)
+
+        what = f"fused MoE for {spec}"
+        if (kernels := provided(preferred, make, what)) is not None:
+            return kernels
+        try:
+            return backend.moe_kernels(spec)
+        except NotSupported as err:
+            if (kernels := provided(spare, make, what)) is not None:
+                return kernels
+            fallback("fused MoE", err)
+            return ReferenceMoE(spec)
+
+    return KernelSet(
+        backend=backend, gemm=gemm, ops=backend.small_ops(), attention=attention, moe=moe, fallbacks=fallbacks
+    )

@@ -20,10 +20,15 @@ from plinth.platform.backend import (
     Backend,
     Capabilities,
     DeviceServices,
+    ExpertWeights,
     GemmKernels,
     KVCacheLayout,
     LinearWeight,
+    MoECapabilities,
+    MoEKernels,
+    MoESpec,
     Probe,
+    route_experts,
     torch_dtype,
 )
 from plinth.platform.devices import HOST
@@ -138,12 +143,56 @@ class ReferenceGemm(GemmKernels):
         return out if weight.bias is None else out + weight.bias
 
 
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``gate_up`` [..., 2I] (gate first) -> [..., I], for ``MoESpec.activation``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown MoE activation {activation!r}")
+
+
+class ReferenceMoE(MoEKernels):
+    """The fused-MoE oracle: route with :func:`route_experts`, then, expert by expert, the MLP of the
+    tokens that chose it, weighted and summed into their rows (accumulated in fp32, fp64 for fp64).
+
+    Every declared dtype, activation and format (quantized experts are dequantized at load).
+
+    .. versionadded:: 1.8
+    """
+
+    def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+        s = self.spec
+        want_gate_up = (s.num_experts, 2 * s.intermediate_size, s.hidden_size)
+        want_down = (s.num_experts, s.hidden_size, s.intermediate_size)
+        if tuple(gate_up.shape) != want_gate_up or tuple(down.shape) != want_down:
+            raise ValueError(
+                f"expert weights {tuple(gate_up.shape)} / {tuple(down.shape)}; expected {want_gate_up} / {want_down}"
+            )
+        dtype = torch_dtype(s.dtype)
+        return ExpertWeights(s, gate_up.to(dtype).contiguous(), down.to(dtype).contiguous())
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        assert weights.gate_up is not None and weights.down is not None
+        s = self.spec
+        route_w, route_ids = route_experts(router_logits, s.top_k, s.renormalize)
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out = torch.zeros(x.shape[0], s.hidden_size, dtype=acc_dtype, device=x.device)
+        for e in torch.unique(route_ids).tolist():
+            tokens, slot = torch.nonzero(route_ids == e, as_tuple=True)
+            h = gated_activation(x[tokens] @ weights.gate_up[e].t(), s.activation)
+            y = (h @ weights.down[e].t()).to(acc_dtype)
+            out.index_add_(0, tokens, y * route_w[tokens, slot].to(acc_dtype)[:, None])
+        return out.to(x.dtype)
+
+
 class ReferenceBackend(Backend):
     """Plain torch on the host CPU in fp32 or fp64; every head size, block size and feature."""
 
     name = "reference"
     version = "0.1.0"
-    api_version = (1, 1)
+    api_version = (1, 8)
     description = "plain-torch oracle: slow, obviously correct"
 
     def __init__(self) -> None:
@@ -156,6 +205,9 @@ class ReferenceBackend(Backend):
             max_gqa_ratio=None,
             features=frozenset({"sliding_window", "logits_soft_cap"}),
             kv_cache_layout=KVCacheLayout(),
+            fused_moe=MoECapabilities(
+                dtypes=frozenset({"float32", "float64"}), activations=frozenset({"silu", "gelu_tanh"})
+            ),
         )
 
     def probe(self) -> Probe:
@@ -178,6 +230,10 @@ class ReferenceBackend(Backend):
     def gemm_kernels(self, dtype: str) -> GemmKernels:
         self._caps.require_gemm(self.name, dtype)
         return ReferenceGemm(torch_dtype(dtype))
+
+    def moe_kernels(self, spec: MoESpec) -> MoEKernels:
+        self._caps.require_moe(self.name, spec)
+        return ReferenceMoE(spec)
 
 
 @hookimpl

@@ -189,6 +189,83 @@ class AttentionSpec:
     logits_soft_cap: float | None = None
 
 
+#: The gated activations a fused-MoE op may be asked for (:attr:`MoESpec.activation`, API 1.8):
+#: ``act(gate) * up`` with SiLU or with GELU's tanh approximation.
+MOE_ACTIVATIONS: frozenset[str] = frozenset({"silu", "gelu_tanh"})
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """One mixture-of-experts layer: what decides whether a backend's fused-MoE op can run it.
+
+    The op's semantics (:class:`plinth.platform.backend.MoEKernels`): each token's router logits
+    ``[E]`` are soft-maxed in fp32, the ``top_k`` largest kept (``renormalize``: divided by their
+    sum, Mixtral's "softmax over the chosen" and Qwen3-MoE's ``norm_topk_prob``), and the token's
+    output is the weighted sum, over its chosen experts ``e``, of
+    ``down_e(act(gate_e(x)) * up_e(x))``. Shared experts and their gates are the model's, not the op's.
+
+    .. versionadded:: 1.8
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    #: Each expert's MLP width (``moe_intermediate_size``).
+    intermediate_size: int
+    #: Compute dtype name ("float32", "bfloat16", ...).
+    dtype: str = "float32"
+    renormalize: bool = True
+    activation: str = "silu"
+    #: The ggml block format the experts' weights are kept in (None: dense, in ``dtype``).
+    quant_format: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"MoESpec.num_experts must be at least 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoESpec.top_k must be in 1..{self.num_experts} (num_experts), got {self.top_k}")
+        if self.hidden_size < 1 or self.intermediate_size < 1:
+            raise ValueError(
+                f"MoESpec sizes must be positive, got hidden {self.hidden_size}, intermediate {self.intermediate_size}"
+            )
+        if self.activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"MoESpec.activation {self.activation!r}: choose one of {sorted(MOE_ACTIVATIONS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class MoECapabilities:
+    """What a backend's fused-MoE op covers (:attr:`Capabilities.fused_moe`).
+
+    The conformance suite runs every declared case and checks that an undeclared one raises
+    :class:`NotSupported`; the core falls back to the reference op for a case not covered.
+
+    .. versionadded:: 1.8
+    """
+
+    dtypes: frozenset[str]
+    #: ggml block formats the op takes its experts in without dequantizing them.
+    quant_formats: frozenset[str] = frozenset()
+    #: None: any number of experts / any top-k.
+    max_experts: int | None = None
+    max_top_k: int | None = None
+    activations: frozenset[str] = frozenset({"silu"})
+
+    def unsupported(self, spec: MoESpec) -> list[str]:
+        """Reasons ``spec`` is outside what is declared; empty when it is covered."""
+        reasons = []
+        if spec.dtype not in self.dtypes:
+            reasons.append(f"dtype {spec.dtype} (supported: {sorted(self.dtypes)})")
+        if spec.quant_format is not None and spec.quant_format not in self.quant_formats:
+            reasons.append(f"experts in {spec.quant_format} (supported: {sorted(self.quant_formats) or 'dense only'})")
+        if self.max_experts is not None and spec.num_experts > self.max_experts:
+            reasons.append(f"{spec.num_experts} experts (at most {self.max_experts})")
+        if self.max_top_k is not None and spec.top_k > self.max_top_k:
+            reasons.append(f"top-{spec.top_k} routing (at most top-{self.max_top_k})")
+        if spec.activation not in self.activations:
+            reasons.append(f"activation {spec.activation} (supported: {sorted(self.activations)})")
+        return reasons
+
+
 #: The block placements a backend may ask for (:attr:`Capabilities.block_placement`, API 1.6).
 BLOCK_PLACEMENTS: frozenset[str] = frozenset({"any", "contiguous"})
 
@@ -241,6 +318,11 @@ class Capabilities:
     #:
     #: .. versionadded:: 1.6
     communicator: str | None = None
+    #: The fused mixture-of-experts op the backend supplies (``Backend.moe_kernels``); None: it
+    #: supplies none, and MoE layers run the reference op (with a fallback warning).
+    #:
+    #: .. versionadded:: 1.8
+    fused_moe: MoECapabilities | None = None
 
     def __post_init__(self) -> None:
         if self.block_placement not in BLOCK_PLACEMENTS:
@@ -279,6 +361,17 @@ class Capabilities:
         reasons = self.unsupported(spec)
         if reasons:
             raise NotSupported(backend, "attention", reasons)
+
+    def require_moe(self, backend: str, spec: MoESpec) -> None:
+        """Raise :class:`NotSupported` (naming ``backend`` and every reason) unless ``spec`` is declared.
+
+        .. versionadded:: 1.8
+        """
+        if self.fused_moe is None:
+            raise NotSupported(backend, "fused MoE", "the backend declares no fused-MoE op")
+        reasons = self.fused_moe.unsupported(spec)
+        if reasons:
+            raise NotSupported(backend, "fused MoE", reasons)
 
     def require_gemm(self, backend: str, dtype: str) -> None:
         """Raise :class:`NotSupported` unless GEMM in ``dtype`` is declared."""

@@ -117,6 +117,10 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
             pp = PipelineStage(rank, world_size, layers, comm)
         else:
             tp = TensorParallel(plan, comm)
+    # experts stay in their blocks where the fused-MoE op takes the format (and quantization allows)
+    moe_formats: frozenset[str] = frozenset()
+    if caps.fused_moe is not None and config.quantization != "none":
+        moe_formats = caps.fused_moe.quant_formats
     model, model_config = load_model(
         source,
         ModelKernels(
@@ -128,6 +132,8 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
             quantize="q8_0" if config.quantization == "int8" else None,
             tp=tp,
             pp=pp,
+            moe=kernels.moe,
+            moe_quant_formats=moe_formats,
         ),
         dtype=torch_dtype(dtype),
         block_size=block_size,
