@@ -103,7 +103,8 @@ API    adds / changes
        (``MoECapabilities``: dtypes, quantized formats, max experts and top-k, activations),
        ``Backend.moe_kernels(spec)`` / ``KernelProvider.moe_kernels(spec)`` -> ``MoEKernels``
        (``prepare``, ``prepare_quantized``, ``forward``) with ``ExpertWeights`` and the routing
-       rule ``route_experts`` (default: none supplied; the core runs ``ReferenceMoE``)
+       rule ``route_experts`` (default: none supplied; the core runs ``ReferenceMoE``);
+       ``SmallOps.gelu_tanh_and_mul`` (Gemma 3's gated MLP; default plain torch)
 =====  ===========================================================================================
 """
 
@@ -143,7 +144,7 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 7): "scale-out: Communicator from DeviceServices.communicator (default torch.distributed), "
     "DeviceServices.device_for_rank",
     (1, 8): "fused MoE: MoESpec, Capabilities.fused_moe (MoECapabilities), Backend.moe_kernels and "
-    "KernelProvider.moe_kernels -> MoEKernels (ExpertWeights), route_experts, ReferenceMoE",
+    "KernelProvider.moe_kernels -> MoEKernels (ExpertWeights), route_experts, ReferenceMoE; SmallOps.gelu_tanh_and_mul",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

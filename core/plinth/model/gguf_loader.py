@@ -1,5 +1,9 @@
 """GGUF checkpoints: config from metadata, tensors under Hugging Face names (fp32 or raw q4_1/q8_0 blocks).
 
+Mixture-of-experts files hold each layer's experts as one 3-D tensor (``ffn_gate_exps`` [E, I, H]);
+they are split into one weight per expert under the Qwen-MoE names (``mlp.experts.{e}.gate_proj``),
+the names the model reads for every MoE architecture.
+
 llama.cpp's converter permutes the rows of q_proj/k_proj of llama-architecture models (it turns
 HF's "rotate_half" rotary layout into GPT-J's interleaved one); :func:`unpermute_qk` undoes it so
 the graph can use the same NeoX-style rotary as for Hugging Face checkpoints.
@@ -28,7 +32,22 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    # Gemma 3's norms after attention and after the MLP (its ffn_norm is the pre-MLP norm)
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    # mixture of experts: the router, the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# per-architecture exceptions to _BLOCK_NAMES
+_ARCH_BLOCK_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+# the 3-D expert tensors [E, N, K] -> the per-expert weight name (after mlp.experts.{e}.)
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -46,12 +65,16 @@ class GGUFTensorNameError(ValueError):
     """A GGUF tensor name has no Hugging Face counterpart."""
 
 
-def hf_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name to its Hugging Face parameter name."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a llama.cpp tensor name of a file of GGUF architecture ``arch`` to its Hugging Face
+    parameter name (for a 3-D expert tensor: the name with ``{e}`` where the expert index goes)."""
     if m := _BLOCK.match(gguf_name):
         layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
+        if part in _EXPERT_NAMES:
+            return f"model.layers.{layer}.mlp.experts.{{e}}.{_EXPERT_NAMES[part]}.{kind}"
     elif (m := _TOP.match(gguf_name)) and m.group(1) in _TOP_NAMES:
         return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
     raise GGUFTensorNameError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in plinth's mapping")
@@ -87,14 +110,26 @@ def gguf_weights(
     Matrices stored in a format named in ``keep_quantized`` ("q4_1", "q8_0") come as their raw
     :class:`QuantizedWeight` blocks; everything else is dequantized to fp32.
     """
-    permuted = gguf.metadata.get("general.architecture") in _PERMUTED_ARCHS
+    arch = str(gguf.metadata.get("general.architecture"))
+    permuted = arch in _PERMUTED_ARCHS
     for name in gguf.tensors:
         if name in _CONFIG_TENSORS:
             continue
-        target = hf_name(name)
+        target = hf_name(name, arch)
         info = gguf.tensors[name]
-        quantized = gguf.quantized(name) if info.type_name.lower() in keep_quantized else None
+        keep = info.type_name.lower() in keep_quantized
+        if "{e}" in target:  # [E, N, K]: one weight per expert
+            experts = gguf.quantized_experts(name) if keep else None
+            if experts is None:
+                dense = gguf.tensor(name)
+                yield from ((target.format(e=e), dense[e].clone()) for e in range(dense.shape[0]))
+            else:
+                yield from ((target.format(e=e), w) for e, w in enumerate(experts))
+            continue
+        quantized = gguf.quantized(name) if keep else None
         tensor: torch.Tensor | QuantizedWeight = gguf.tensor(name) if quantized is None else quantized
+        if isinstance(tensor, torch.Tensor) and target.endswith(".mlp.shared_expert_gate.weight") and tensor.ndim == 1:
+            tensor = tensor[None, :]  # llama.cpp stores the [1, H] shared-expert gate as [H]
         heads = None
         if permuted and ".self_attn.q_proj." in target:
             heads = config.num_heads

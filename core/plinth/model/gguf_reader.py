@@ -248,6 +248,18 @@ class GGUFFile:
         blocks = torch.from_numpy(raw.reshape(info.shape[0], -1))  # [N, K / 32 * bytes]
         return QuantizedWeight(fmt, info.shape[0], info.shape[1], blocks)
 
+    def quantized_experts(self, name: str) -> list[QuantizedWeight] | None:
+        """A 3-D expert tensor ``name`` [E, N, K] as E raw-block weights [N, K], if its format is one of
+        :mod:`plinth.platform.quant` (views of the file's map, like :meth:`quantized`)."""
+        info = self.tensors[name]
+        fmt = info.type_name.lower()
+        if fmt not in QUANT_BLOCKS or len(info.shape) != 3:
+            return None
+        experts, rows, cols = info.shape
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        blocks = torch.from_numpy(raw.reshape(experts, rows, -1))  # [E, N, K / 32 * bytes]
+        return [QuantizedWeight(fmt, rows, cols, blocks[e]) for e in range(experts)]
+
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(gguf_name, fp32 tensor)`` in file order, one dequantized at a time."""
         for name in self.tensors:

@@ -8,15 +8,17 @@ nothing here is trained.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
-from plinth.model.config import RopeScaling
+from plinth.model.config import MoEConfig, RopeScaling
 from plinth.model.context import ForwardContext, ModelKernels
-from plinth.platform.backend import AttentionKernels, LinearWeight
+from plinth.platform.backend import AttentionKernels, ExpertWeights, LinearWeight, MoEKernels, MoESpec, dtype_name
 from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
+from plinth.platform.reference import ReferenceMoE
 
 
 class Linear(nn.Module):
@@ -159,7 +161,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention over the paged KV cache: fused QKV projection, rotary, KV write, attention, o_proj."""
+    """Self-attention over the paged KV cache: fused QKV projection, optional q/k norms, rotary, KV
+    write, attention, o_proj.
+
+    ``qk_norm`` (Qwen3, Gemma 3): each query and key head is RMS-normalised over its ``head_dim``
+    (weights ``q_norm``/``k_norm``) before the rotary embedding. ``scale`` is the softmax scale
+    (None: ``1/sqrt(head_dim)``).
+    """
 
     def __init__(
         self,
@@ -173,6 +181,9 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         attn_kernels: AttentionKernels,
         kernels: ModelKernels,
+        *,
+        qk_norm_eps: float | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -181,11 +192,13 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, kernels)
         self.o_proj = Linear(self.q_size, hidden_size, out_bias, kernels, row_parallel=True)
         self.rotary = rotary
         self.attn_kernels = attn_kernels
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, kernels) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, kernels) if qk_norm_eps is not None else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``hidden`` [T, hidden] at ``positions`` [T] -> [T, hidden]."""
@@ -194,8 +207,11 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary.forward(q.view(num_tokens, self.num_heads, self.head_dim), positions)  # [T, H, D]
-        k = self.rotary.forward(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:  # per head, over head_dim
+            q = self.q_norm.forward(q.reshape(num_tokens * self.num_heads, self.head_dim))
+            k = self.k_norm.forward(k.reshape(num_tokens * self.num_kv_heads, self.head_dim))
+        q = self.rotary.forward(q.reshape(num_tokens, self.num_heads, self.head_dim), positions)  # [T, H, D]
+        k = self.rotary.forward(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
         # v stays a strided view of qkv (write_kv takes any strides): no copy
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         # the fused entry (API 1.5): writes K/V and attends; a functional backend returns a new cache
@@ -206,15 +222,103 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: fused gate/up projection, ``silu(gate) * up``, down projection."""
+    """Gated MLP: fused gate/up projection, ``act(gate) * up``, down projection.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, kernels: ModelKernels) -> None:
+    ``activation`` is ``"silu"`` (SwiGLU: Llama, Qwen) or ``"gelu_tanh"`` (GeGLU: Gemma 3).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        kernels: ModelKernels,
+        activation: str = "silu",
+        *,
+        row_parallel: bool = True,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, kernels)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels, row_parallel=True)
-        self.ops = kernels.ops
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels, row_parallel=row_parallel)
+        if activation == "silu":
+            self.act_and_mul = kernels.ops.silu_and_mul
+        elif activation == "gelu_tanh":
+            self.act_and_mul = kernels.ops.gelu_tanh_and_mul
+        else:
+            raise ValueError(f"unsupported MLP activation {activation!r}; supported: 'silu', 'gelu_tanh'")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, hidden] -> [T, hidden]."""
         gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
-        return self.down_proj.forward(self.ops.silu_and_mul(gate_up))  # [T, I] -> [T, hidden]
+        return self.down_proj.forward(self.act_and_mul(gate_up))  # [T, I] -> [T, hidden]
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts block: router, the backend's fused-MoE op, and an optional shared expert.
+
+    ``y = moe(x, router(x)) + sigmoid(shared_gate(x)) * shared_expert(x)`` (the shared terms only
+    where ``config.shared_expert_size`` > 0: Qwen2-MoE). The router is a plain linear [E, hidden]
+    through the GEMM; routing (softmax, top-k, renormalisation) is the op's.
+    """
+
+    def __init__(
+        self, hidden_size: int, config: MoEConfig, kernels: ModelKernels, dtype: torch.dtype, activation: str = "silu"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.kernels = kernels
+        self.base_spec = MoESpec(
+            num_experts=config.num_experts,
+            top_k=config.top_k,
+            hidden_size=hidden_size,
+            intermediate_size=config.intermediate_size,
+            dtype=dtype_name(dtype),
+            renormalize=config.renormalize,
+            activation=activation,
+        )
+        self.dtype = dtype
+        self.gate = Linear(hidden_size, config.num_experts, False, kernels)
+        self.op: MoEKernels | None = None
+        self.experts: ExpertWeights | None = None
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if config.shared_expert_size:
+            self.shared_expert = GatedMLP(hidden_size, config.shared_expert_size, False, kernels, activation)
+            self.shared_expert_gate = Linear(hidden_size, 1, False, kernels)
+
+    def load_experts(
+        self,
+        gate: list[torch.Tensor | QuantizedWeight],
+        up: list[torch.Tensor | QuantizedWeight],
+        down: list[torch.Tensor | QuantizedWeight],
+    ) -> None:
+        """Hand every expert's gate [I, H], up [I, H] and down [H, I] to the op, kept in their blocks
+        where the op takes their (one) format, dense otherwise."""
+        parts = [*gate, *up, *down]
+        formats = {p.format for p in parts if isinstance(p, QuantizedWeight)}
+        fmt = formats.pop() if len(formats) == 1 and all(isinstance(p, QuantizedWeight) for p in parts) else None
+        factory = self.kernels.moe or ReferenceMoE
+        if fmt is not None and fmt in self.kernels.moe_quant_formats:
+            spec = dataclasses.replace(self.base_spec, quant_format=fmt)
+            self.op = factory(spec)
+            gate_up_q = [QuantizedWeight.cat([g, u]) for g, u in zip(gate, up, strict=True)]  # type: ignore[list-item]
+            self.experts = self.op.prepare_quantized(gate_up_q, down)  # type: ignore[arg-type]
+            return
+
+        def dense(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+            return (dequantize(t) if isinstance(t, QuantizedWeight) else t).to(
+                device=self.kernels.device, dtype=self.dtype
+            )
+
+        gate_up = torch.stack([torch.cat([dense(g), dense(u)]) for g, u in zip(gate, up, strict=True)])
+        down_stack = torch.stack([dense(d) for d in down])
+        self.op = factory(self.base_spec)
+        self.experts = self.op.prepare(gate_up, down_stack)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, hidden] -> [T, hidden]."""
+        assert self.op is not None and self.experts is not None, "SparseMoE used before its experts were loaded"
+        out = self.op.forward(x, self.gate.forward(x), self.experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x)
+        return out

@@ -1,24 +1,46 @@
-"""The Llama family: Llama 2/3 (llama3 rope scaling), Mistral (sliding window), SmolLM2 (GQA, tied
-embeddings) and Qwen2 (q/k/v bias). One graph; the differences are all in :class:`ModelConfig`.
+"""One decoder graph for every architecture of the registry; the differences are all in :class:`ModelConfig`.
+
+- Llama 2/3 (llama3 rope scaling), Mistral (sliding window), SmolLM2 (GQA, tied embeddings);
+- Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm per head before the rotary, no bias);
+- Gemma 3 (text): sliding-window layers with their own rotary base between global ones, q/k norm,
+  embeddings scaled by sqrt(hidden), GELU-tanh gated MLP, ``x * (1 + w)`` RMSNorm, norms before
+  *and* after attention and the MLP, tied embeddings;
+- mixture of experts, where ``config.moe`` makes a layer sparse: Mixtral (top-2 of 8, renormalised),
+  Qwen2-MoE (a shared expert behind a sigmoid gate), Qwen3-MoE (q/k norm, ``norm_topk_prob``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from plinth.model.config import ModelConfig
 from plinth.model.context import ForwardContext, ModelKernels
-from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE
 from plinth.platform.backend import AttentionKernels, AttentionSpec, dtype_name
 from plinth.platform.devices import HOST
 from plinth.platform.quant import QuantizedWeight, dequantize
 
 # Checkpoint entries that are derived state, not weights: skipped without complaint.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
+# Mixtral's names for its router and experts -> the Qwen-MoE names the model reads for every MoE
+_MIXTRAL_NAMES = (
+    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+)
+
+
+def canonical_name(name: str) -> str:
+    """The name the model reads a checkpoint tensor under (Mixtral's MoE names become Qwen-MoE's)."""
+    if ".block_sparse_moe." in name:
+        for pattern, repl in _MIXTRAL_NAMES:
+            name = pattern.sub(repl, name)
+    return name
 
 
 class WeightLoadError(ValueError):
@@ -26,7 +48,12 @@ class WeightLoadError(ValueError):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+    """Pre-norm transformer block: ``h += attn(norm(h)); h += mlp(norm(h))``.
+
+    With ``config.sandwich_norms`` (Gemma 3) the attention and MLP outputs are normalised too
+    before they join the residual stream: ``h += post_norm(attn(norm(h)))``, the same for the MLP.
+    A sparse layer (``config.layer_is_sparse``) has a :class:`SparseMoE` block as its MLP.
+    """
 
     def __init__(
         self,
@@ -35,9 +62,12 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         attn: AttentionKernels,
         kernels: ModelKernels,
+        dtype: torch.dtype,
+        global_idx: int | None = None,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, kernels)
         self.self_attn = Attention(
             layer_idx,
             config.hidden_size,
@@ -49,9 +79,20 @@ class DecoderLayer(nn.Module):
             rotary,
             attn,
             kernels,
+            qk_norm_eps=eps if config.qk_norm else None,
+            scale=config.attention_scale,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
+        self.sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, kernels) if self.sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, kernels) if self.sandwich else None
+        self.mlp: GatedMLP | SparseMoE
+        if config.moe is not None and config.layer_is_sparse(layer_idx if global_idx is None else global_idx):
+            self.mlp = SparseMoE(config.hidden_size, config.moe, kernels, dtype, config.hidden_act)
+        else:
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, config.hidden_act
+            )
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -68,6 +109,10 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.add_forward(hidden, residual)
         attn = self.self_attn.forward(positions, normed, ctx)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            attn = self.post_attention_layernorm.forward(attn)
+            normed, residual = self.pre_feedforward_layernorm.add_forward(attn, residual)
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(normed)), residual
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp.forward(normed), residual
 
@@ -109,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
                 dtype=dtype_name(dtype),
                 kv_cache_dtype=kv_cache_dtype,
                 sliding_window=config.layer_sliding_window(i),
+                logits_soft_cap=config.attn_logit_softcap,
             )
             for i in self.layer_range
         ]
@@ -116,13 +162,23 @@ class LlamaForCausalLM(nn.Module):
         for spec in self._specs:
             if spec not in attn_by_spec:  # asked once per distinct spec: may raise NotSupported
                 attn_by_spec[spec] = kernels.attention(spec)
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, kernels
-        )
+        rotaries: dict[float, RotaryEmbedding] = {}  # by base: Gemma 3's local layers have their own
+        for i in self.layer_range:
+            theta = config.layer_rope_theta(i)
+            if theta not in rotaries:
+                # the rope scaling rule is the global layers' (Gemma 3 scales those only)
+                scaling = config.rope_scaling if theta == config.rope_theta else None
+                rotaries[theta] = RotaryEmbedding(
+                    config.head_dim, config.max_position_embeddings, theta, scaling, kernels
+                )
         # [V, hidden]; a quantized checkpoint's embedding stays in its blocks (rows dequantized on lookup)
         self.embed_tokens: torch.Tensor | QuantizedWeight | None = None
+        self.embed_scale = (
+            torch.tensor(config.embed_scale, dtype=dtype) if config.embed_scale is not None else None
+        )  # the model dtype's rounding of sqrt(hidden), as transformers multiplies
         self.layers = nn.ModuleList(  # the cache index is the local one
-            DecoderLayer(config, i, rotary, attn_by_spec[spec], kernels) for i, spec in enumerate(self._specs)
+            DecoderLayer(config, local, rotaries[config.layer_rope_theta(i)], attn_by_spec[spec], kernels, dtype, i)
+            for local, (i, spec) in enumerate(zip(self.layer_range, self._specs, strict=True))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, kernels)
@@ -140,7 +196,14 @@ class LlamaForCausalLM(nn.Module):
         return self.forward_embedded(self.embed(input_ids), positions, ctx)
 
     def embed(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The embedding rows of ``input_ids`` [T] -> [T, hidden] (into ``out`` when given)."""
+        """The embedding rows of ``input_ids`` [T] -> [T, hidden] (into ``out`` when given), times
+        ``config.embed_scale`` where the architecture scales them."""
+        rows = self._embed_rows(input_ids, out)
+        if self.embed_scale is not None:
+            rows.mul_(self.embed_scale)
+        return rows
+
+    def _embed_rows(self, input_ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         table = self.embed_tokens
         assert table is not None, "forward before load_weights"
         tp = self.kernels.tp
@@ -207,10 +270,12 @@ class LlamaForCausalLM(nn.Module):
         """``hidden`` [S, hidden] (the rows that sample) -> logits [S, vocab]."""
         logits = self.lm_head.forward(hidden)
         tp = self.kernels.tp
-        if tp is None:
-            return logits
-        # vocab-parallel: every rank's slice, in rank order, less the padding rows
-        return tp.comm.all_gather(logits, dim=-1)[:, : tp.plan.vocab_size]
+        if tp is not None:  # vocab-parallel: every rank's slice, in rank order, less the padding rows
+            logits = tp.comm.all_gather(logits, dim=-1)[:, : tp.plan.vocab_size]
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma's final soft-cap: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # -- weights -----------------------------------------------------------------------------------
 
@@ -230,15 +295,39 @@ class LlamaForCausalLM(nn.Module):
             "self_attn.k_proj": (c.num_kv_heads * d, h, c.attention_bias),
             "self_attn.v_proj": (c.num_kv_heads * d, h, c.attention_bias),
             "self_attn.o_proj": (h, c.num_heads * d, c.attention_out_bias),
+        }
+        dense_mlp = {
             "mlp.gate_proj": (c.intermediate_size, h, c.mlp_bias),
             "mlp.up_proj": (c.intermediate_size, h, c.mlp_bias),
             "mlp.down_proj": (h, c.intermediate_size, c.mlp_bias),
         }
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if c.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         for i in self.layer_range:
             p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for name, (n_out, n_in, bias) in proj.items():
+            for norm in norms:
+                shapes[p + norm + ".weight"] = (h,)
+            if c.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (d,)
+                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            layer_proj = dict(proj)
+            if c.moe is not None and c.layer_is_sparse(i):
+                m = c.moe
+                layer_proj["mlp.gate"] = (m.num_experts, h, False)
+                for e in range(m.num_experts):
+                    layer_proj[f"mlp.experts.{e}.gate_proj"] = (m.intermediate_size, h, False)
+                    layer_proj[f"mlp.experts.{e}.up_proj"] = (m.intermediate_size, h, False)
+                    layer_proj[f"mlp.experts.{e}.down_proj"] = (h, m.intermediate_size, False)
+                if m.shared_expert_size:
+                    s = m.shared_expert_size
+                    layer_proj["mlp.shared_expert.gate_proj"] = (s, h, False)
+                    layer_proj["mlp.shared_expert.up_proj"] = (s, h, False)
+                    layer_proj["mlp.shared_expert.down_proj"] = (h, s, False)
+                    layer_proj["mlp.shared_expert_gate"] = (1, h, False)
+            else:
+                layer_proj.update(dense_mlp)
+            for name, (n_out, n_in, bias) in layer_proj.items():
                 shapes[f"{p}{name}.weight"] = (n_out, n_in)
                 if bias:
                     shapes[f"{p}{name}.bias"] = (n_out,)
@@ -259,6 +348,7 @@ class LlamaForCausalLM(nn.Module):
         misshapen: list[str] = []
         seen_misshapen: set[str] = set()
         for name, tensor in weights:
+            name = canonical_name(name)
             if _IGNORED.match(name) or (tied and name == "lm_head.weight"):
                 continue  # a tied checkpoint may still store the (identical) lm_head
             shape = expected.get(name)
@@ -296,6 +386,13 @@ class LlamaForCausalLM(nn.Module):
         def take(name: str) -> torch.Tensor:
             return dense(w.pop(name))
 
+        offset = self.config.norm_weight_offset
+
+        def take_norm(name: str) -> torch.Tensor:  # Gemma's (1 + w), added in fp32 before the cast
+            t = w.pop(name)
+            t = dequantize(t) if isinstance(t, QuantizedWeight) else t
+            return (t.float() + offset).to(device=self.device, dtype=self.dtype) if offset else dense(t)
+
         def take_linear(name: str) -> torch.Tensor | QuantizedWeight:
             t = w.pop(name)
             return t if isinstance(t, QuantizedWeight) else dense(t)
@@ -327,16 +424,26 @@ class LlamaForCausalLM(nn.Module):
             qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
             layer.self_attn.qkv_proj.load(fused([n + ".weight" for n in qkv]), fused_bias([n + ".bias" for n in qkv]))
             layer.self_attn.o_proj.load(take_linear(a + "o_proj.weight"), maybe(a + "o_proj.bias"))
+            attn = layer.self_attn
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.load(take_norm(a + "q_norm.weight"))
+                attn.k_norm.load(take_norm(a + "k_norm.weight"))
             m = p + "mlp."
-            gate_up = [m + "gate_proj", m + "up_proj"]
-            layer.mlp.gate_up_proj.load(
-                fused([n + ".weight" for n in gate_up]), fused_bias([n + ".bias" for n in gate_up])
-            )
-            layer.mlp.down_proj.load(take_linear(m + "down_proj.weight"), maybe(m + "down_proj.bias"))
-            layer.input_layernorm.load(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.load(take(p + "post_attention_layernorm.weight"))
+            if isinstance(layer.mlp, SparseMoE):
+                self._assign_moe(layer.mlp, m, w, take_linear)
+            else:
+                gate_up = [m + "gate_proj", m + "up_proj"]
+                layer.mlp.gate_up_proj.load(
+                    fused([n + ".weight" for n in gate_up]), fused_bias([n + ".bias" for n in gate_up])
+                )
+                layer.mlp.down_proj.load(take_linear(m + "down_proj.weight"), maybe(m + "down_proj.bias"))
+            layer.input_layernorm.load(take_norm(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.load(take_norm(p + "post_attention_layernorm.weight"))
+            if layer.pre_feedforward_layernorm is not None and layer.post_feedforward_layernorm is not None:
+                layer.pre_feedforward_layernorm.load(take_norm(p + "pre_feedforward_layernorm.weight"))
+                layer.post_feedforward_layernorm.load(take_norm(p + "post_feedforward_layernorm.weight"))
         if self.last_stage:
-            self.norm.load(take("model.norm.weight"))
+            self.norm.load(take_norm("model.norm.weight"))
             # tied: the embedding matrix is the lm_head weight, prepared through the GEMM like any other
             # (a quantized embedding keeps its blocks for the lm_head, where the GEMM takes them)
             if self.config.tie_word_embeddings:
@@ -346,3 +453,30 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.lm_head.load(take_linear("lm_head.weight"))
         assert not w, f"weights left unassigned: {sorted(w)}"
+
+    def _assign_moe(
+        self,
+        block: SparseMoE,
+        m: str,
+        w: dict[str, torch.Tensor | QuantizedWeight],
+        take_linear: Callable[[str], torch.Tensor | QuantizedWeight],
+    ) -> None:
+        """One sparse layer's router, experts (to the fused-MoE op) and shared expert, from ``w``."""
+        block.gate.load(take_linear(m + "gate.weight"))
+        experts = range(block.config.num_experts)
+        gates = [w.pop(f"{m}experts.{e}.gate_proj.weight") for e in experts]
+        ups = [w.pop(f"{m}experts.{e}.up_proj.weight") for e in experts]
+        downs = [w.pop(f"{m}experts.{e}.down_proj.weight") for e in experts]
+        block.load_experts(gates, ups, downs)
+        if block.shared_expert is not None and block.shared_expert_gate is not None:
+            s = m + "shared_expert."
+            gate_up = [take_linear(s + "gate_proj.weight"), take_linear(s + "up_proj.weight")]
+            if all(isinstance(t, QuantizedWeight) for t in gate_up) and len({t.format for t in gate_up}) == 1:  # type: ignore[union-attr]
+                fused_gate_up: torch.Tensor | QuantizedWeight = QuantizedWeight.cat(gate_up)  # type: ignore[arg-type]
+            else:
+                fused_gate_up = torch.cat([dequantize(t) if isinstance(t, QuantizedWeight) else t for t in gate_up]).to(
+                    device=self.device, dtype=self.dtype
+                )
+            block.shared_expert.gate_up_proj.load(fused_gate_up)
+            block.shared_expert.down_proj.load(take_linear(s + "down_proj.weight"))
+            block.shared_expert_gate.load(take_linear(m + "shared_expert_gate.weight"))

@@ -10,9 +10,14 @@ import importlib
 from typing import Any
 
 _ARCHITECTURES: dict[str, str] = {
+    "Gemma3ForCausalLM": "plinth.model.llama:LlamaForCausalLM",
     "LlamaForCausalLM": "plinth.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "plinth.model.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "plinth.model.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "plinth.model.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "plinth.model.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "plinth.model.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "plinth.model.llama:LlamaForCausalLM",
 }
 
 

@@ -66,6 +66,11 @@ class ShardPlan:
             problems.append(f"num_key_value_heads {kv} neither divides nor is divisible by {size}")
         if config.intermediate_size % size:
             problems.append(f"intermediate_size {config.intermediate_size} is not divisible by {size}")
+        if config.moe is not None:
+            problems.append(
+                f"its {config.moe.num_experts}-expert MoE layers have no tensor-parallel plan yet "
+                "(pipeline parallelism splits them by layer)"
+            )
         if problems:
             raise ShardingError(f"cannot split {config.architecture} {size} ways: " + "; ".join(problems))
         return cls(rank, size, config.num_heads, kv, config.head_dim, config.intermediate_size, config.vocab_size)

@@ -574,6 +574,15 @@ class SmallOps:
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]  ([M, I]): GELU's tanh approximation, the
+        gated MLP of Gemma 3.
+
+        .. versionadded:: 1.8
+        """
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
         """NeoX-style rotary embedding of ``x`` [T, H, D] at ``positions`` [T].
 

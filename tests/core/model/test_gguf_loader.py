@@ -139,8 +139,13 @@ def test_gguf_name_mapping() -> None:
     assert hf_name("output.weight") == "lm_head.weight"
     assert hf_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
     assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
-    with pytest.raises(ValueError, match="blk.0.attn_q_norm.weight"):
-        hf_name("blk.0.attn_q_norm.weight")
+    assert hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
+    # Gemma 3's ffn_norm is the norm before the MLP; Llama's is post_attention_layernorm
+    assert hf_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    assert hf_name("blk.3.ffn_norm.weight", "gemma3") == "model.layers.3.pre_feedforward_layernorm.weight"
+    assert hf_name("blk.1.ffn_up_exps.weight", "qwen3moe") == "model.layers.1.mlp.experts.{e}.up_proj.weight"
+    with pytest.raises(ValueError, match="blk.0.attn_sinks.weight"):
+        hf_name("blk.0.attn_sinks.weight")
 
 
 def _one_tensor_gguf(path: Path, packed: np.ndarray, kind: Any) -> Path:
