@@ -104,7 +104,8 @@ API    adds / changes
        ``Backend.moe_kernels(spec)`` / ``KernelProvider.moe_kernels(spec)`` -> ``MoEKernels``
        (``prepare``, ``prepare_quantized``, ``forward``) with ``ExpertWeights`` and the routing
        rule ``route_experts`` (default: none supplied; the core runs ``ReferenceMoE``);
-       ``SmallOps.gelu_tanh_and_mul`` (Gemma 3's gated MLP; default plain torch)
+       ``SmallOps.gelu_tanh_and_mul`` (Gemma 3's gated MLP; default plain torch) and
+       ``SmallOps.rms_norm_heads`` (Qwen3/Gemma 3's q/k norm; default: heads copied dense, ``rms_norm``)
 =====  ===========================================================================================
 """
 
@@ -144,7 +145,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 7): "scale-out: Communicator from DeviceServices.communicator (default torch.distributed), "
     "DeviceServices.device_for_rank",
     (1, 8): "fused MoE: MoESpec, Capabilities.fused_moe (MoECapabilities), Backend.moe_kernels and "
-    "KernelProvider.moe_kernels -> MoEKernels (ExpertWeights), route_experts, ReferenceMoE; SmallOps.gelu_tanh_and_mul",
+    "KernelProvider.moe_kernels -> MoEKernels (ExpertWeights), route_experts, ReferenceMoE; "
+    "SmallOps.gelu_tanh_and_mul, rms_norm_heads",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

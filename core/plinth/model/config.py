@@ -132,7 +132,6 @@ class ModelConfig:
     embed_scale: float | None = None  # the embedding rows are multiplied by this (Gemma: sqrt(hidden))
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) (None: head_dim)
     rope_local_theta: float | None = None  # the rotary base of sliding layers (None: rope_theta)
-    attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     moe: MoEConfig | None = None
 
@@ -225,7 +224,6 @@ class ModelConfig:
             embed_scale=hidden**0.5 if gemma else None,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
             rope_local_theta=local_theta,
-            attn_logit_softcap=_positive(cfg.get("attn_logit_softcapping")),
             final_logit_softcap=_positive(cfg.get("final_logit_softcapping")),
             moe=_hf_moe(cfg, architecture, num_layers, source),
         )
@@ -317,7 +315,6 @@ class ModelConfig:
             # sizes up to 12B); the GGUF stores no scalar
             query_pre_attn_scalar=float(head_dim) if gemma else None,
             rope_local_theta=10000.0 if gemma else None,
-            attn_logit_softcap=_positive(metadata.get(f"{arch}.attn_logit_softcapping")),
             final_logit_softcap=_positive(metadata.get(f"{arch}.final_logit_softcapping")),
             moe=moe,
         )

@@ -98,6 +98,11 @@ class RMSNorm(nn.Module):
         assert self.weight is not None, "RMSNorm used before its weight was loaded"
         return self.ops.rms_norm(x, self.weight, self.eps)
 
+    def forward_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Each head of ``x`` [T, H, D] normalised over ``D`` (this norm's size) -> [T, H, D]."""
+        assert self.weight is not None, "RMSNorm used before its weight was loaded"
+        return self.ops.rms_norm_heads(x, self.weight, self.eps)
+
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``; ``residual`` may be overwritten with the sum."""
         assert self.weight is not None, "RMSNorm used before its weight was loaded"
@@ -207,11 +212,13 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # per head, over head_dim
-            q = self.q_norm.forward(q.reshape(num_tokens * self.num_heads, self.head_dim))
-            k = self.k_norm.forward(k.reshape(num_tokens * self.num_kv_heads, self.head_dim))
-        q = self.rotary.forward(q.reshape(num_tokens, self.num_heads, self.head_dim), positions)  # [T, H, D]
-        k = self.rotary.forward(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
+            q = self.q_norm.forward_heads(q)
+            k = self.k_norm.forward_heads(k)
+        q = self.rotary.forward(q, positions)  # [T, H, D]
+        k = self.rotary.forward(k, positions)  # [T, Hkv, D]
         # v stays a strided view of qkv (write_kv takes any strides): no copy
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         # the fused entry (API 1.5): writes K/V and attends; a functional backend returns a new cache

@@ -154,7 +154,6 @@ class LlamaForCausalLM(nn.Module):
                 dtype=dtype_name(dtype),
                 kv_cache_dtype=kv_cache_dtype,
                 sliding_window=config.layer_sliding_window(i),
-                logits_soft_cap=config.attn_logit_softcap,
             )
             for i in self.layer_range
         ]

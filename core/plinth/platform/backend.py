@@ -574,6 +574,18 @@ class SmallOps:
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
+    def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of every head of ``x`` [T, H, D] over its ``D`` values (``weight`` [D]) -> a new
+        contiguous [T, H, D]: the q/k norm of Qwen3 and Gemma 3. ``x`` is a view of the fused QKV
+        projection (heads dense, any token stride). The default copies the heads dense and calls
+        :meth:`rms_norm`; a backend whose step graphs record only its own kernels overrides it with
+        one kernel that reads the strided view (a copy by torch would keep the step out of a graph).
+
+        .. versionadded:: 1.8
+        """
+        num_tokens, num_heads, head_dim = x.shape
+        return self.rms_norm(x.reshape(num_tokens * num_heads, head_dim), weight, eps).view(x.shape)
+
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]  ([M, I]): GELU's tanh approximation, the
         gated MLP of Gemma 3.

@@ -64,10 +64,24 @@ class _ComputeGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and func.name().partition(".")[0] not in _ALLOCATIONS:
+        if func.is_view:
+            # reshape (and its kin) are "views" that copy when the strides do not allow one: a copy
+            # is a computation the replay would skip, so an output in new storage counts
+            if not _shares_storage(out, args):
+                self.computed.append(func.name())
+        elif func.name().partition(".")[0] not in _ALLOCATIONS:
             self.computed.append(func.name())
         self.keep.append(out)
         return out
+
+
+def _shares_storage(out: Any, args: Any) -> bool:
+    """True when ``out`` (a tensor, or the first of several) lives in the storage of a tensor in ``args``."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not isinstance(first, torch.Tensor):
+        return True
+    ptr = first.untyped_storage().data_ptr()
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in args)
 
 
 @dataclass

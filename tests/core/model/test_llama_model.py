@@ -7,7 +7,16 @@ from typing import Any
 import pytest
 import torch
 from model_helpers import allocate_caches, hf_logits, reference_kernels, run_step, save_tiny
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from plinth.model.loader import load_model, resolve_model
 
@@ -43,6 +52,34 @@ CONFIGS = {
     ),
     "qwen2_qkv_bias": lambda: Qwen2Config(**_COMMON, tie_word_embeddings=False),
     "mistral_sliding_window": lambda: MistralConfig(**_COMMON, sliding_window=5, head_dim=16),
+    "qwen3_qk_norm": lambda: Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=False),
+    # a window smaller than the prompt, so both kinds of layer matter; a local rotary base of its own
+    # and a query scalar that is not head_dim, so a model that ignored either would fail
+    "gemma3_sliding_and_global": lambda: Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3},
+        head_dim=16,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        final_logit_softcapping=3.0,
+    ),
+    "mixtral_top2_of_4": lambda: MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe_shared_expert": lambda: Qwen2MoeConfig(
+        **_COMMON,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],  # one dense layer among the sparse ones
+    ),
+    "qwen3_moe_norm_topk": lambda: Qwen3MoeConfig(
+        **_COMMON, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=True
+    ),
 }
 
 
@@ -107,11 +144,18 @@ def test_config_and_specs(tiny: tuple[Any, Any, Any]) -> None:
     assert len(specs) == config.num_layers == hf.config.num_hidden_layers
     assert {s.num_heads for s in specs} == {4} and {s.num_kv_heads for s in specs} == {2}
     assert {s.head_size for s in specs} == {16} and {s.block_size for s in specs} == {4}
-    window = getattr(hf.config, "sliding_window", None) if config.architecture == "MistralForCausalLM" else None
-    assert {s.sliding_window for s in specs} == {window}
+    window = getattr(hf.config, "sliding_window", None)
+    types = getattr(hf.config, "layer_types", None) or []
+    if config.architecture == "MistralForCausalLM":
+        assert [s.sliding_window for s in specs] == [window] * len(specs)
+    elif "sliding_attention" in types:
+        assert [s.sliding_window for s in specs] == [window if t == "sliding_attention" else None for t in types]
+    else:
+        assert {s.sliding_window for s in specs} == {None}
     assert config.tie_word_embeddings == hf.config.tie_word_embeddings
     hf_bias = getattr(hf.config, "attention_bias", False)
-    assert config.attention_bias == (config.architecture == "Qwen2ForCausalLM" or hf_bias)
+    qkv_bias = config.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    assert config.attention_bias == (qkv_bias or hf_bias)
 
 
 def test_qwen2_sliding_window_off_unless_enabled() -> None:

@@ -11,9 +11,27 @@ import torch
 VOCAB = 49152  # the SmolLM2 tokenizer's
 
 
+#: The tiny architectures :func:`save_tiny_folder` makes.
+KINDS = ("llama", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def save_tiny_folder(kind: str, folder: Path) -> Any:
-    """Save a tiny random ``kind`` ("llama": GQA + tied embeddings, "qwen2": qkv bias) with a tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """Save a tiny random ``kind`` (one of :data:`KINDS`) with the SmolLM2 tokenizer.
+
+    "llama": GQA + tied embeddings; "qwen2": qkv bias; "qwen3": q/k norm; "gemma3": a sliding
+    window (8) shorter than most prompts between global layers; "mixtral": top-2 of 4 experts;
+    "qwen2_moe": a shared expert and one dense layer; "qwen3_moe": top-3 of 8, renormalised.
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     from plinth.model.loader import load_tokenizer, resolve_model
 
@@ -33,6 +51,31 @@ def save_tiny_folder(kind: str, folder: Path) -> Any:
         config = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
     elif kind == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
+    elif kind == "qwen3":
+        config = Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    elif kind == "gemma3":
+        config = Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
+    elif kind == "mixtral":
+        config = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    elif kind == "qwen2_moe":
+        config = Qwen2MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        )
+    elif kind == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **common, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=True
+        )
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
@@ -44,6 +87,7 @@ def save_tiny_folder(kind: str, folder: Path) -> Any:
             elif "embed" in name:
                 p.mul_(20.0)  # wider logit gaps: greedy ties between near-equal tokens are noise
     model.save_pretrained(folder, safe_serialization=True)
+    model.config._attn_implementation = "eager"  # the sliding-window mask, the same on every transformers version
     smol = load_tokenizer(resolve_model(None))
     smol.backend.save(str(folder / "tokenizer.json"))
     tok_config = {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": smol.chat_template}

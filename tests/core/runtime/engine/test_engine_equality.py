@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from conftest import hf_greedy
-from engine_helpers import save_tiny_folder
+from engine_helpers import KINDS, save_tiny_folder
 
 from plinth import LLM, SamplingParams
 
@@ -26,7 +26,7 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=KINDS)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     folder = tmp_path_factory.mktemp(request.param)
     return folder, save_tiny_folder(request.param, folder)
