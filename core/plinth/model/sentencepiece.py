@@ -52,9 +52,7 @@ def gguf_sentencepiece_bpe(metadata: Mapping[str, Any], source: str = "") -> Bac
         rank = list(metadata.get("tokenizer.ggml.scores") or ())
     for name, values in (("token_type", types), ("scores", rank)):
         if len(values) != len(tokens):
-            raise ValueError(
-                f"GGUF tokenizer.ggml.{name} has {len(values)} entries for {len(tokens)} tokens{where}"
-            )
+            raise ValueError(f"GGUF tokenizer.ggml.{name} has {len(values)} entries for {len(tokens)} tokens{where}")
     vocab = {piece: i for i, piece in enumerate(pieces)}
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = pieces[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(pieces) else None
@@ -76,11 +74,11 @@ def gguf_sentencepiece_bpe(metadata: Mapping[str, Any], source: str = "") -> Bac
     # A user-defined piece respelled above ("  " -> "▁▁") is no longer in the text's spelling: the
     # merges produce it instead (as transformers does).
     backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
     )
     user = [
         AddedToken(t, special=False, normalized=False)
-        for t, ty in zip(tokens, types)
+        for t, ty in zip(tokens, types, strict=True)
         if ty == _USER_DEFINED and t in vocab
     ]
     if user:

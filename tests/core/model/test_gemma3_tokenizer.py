@@ -20,6 +20,7 @@ from plinth.model.sentencepiece import derive_merges
 from plinth.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 # ids from transformers' AutoTokenizer.from_pretrained(dir, gguf_file=...) (checked live: slow test)
+# fmt: off
 EXPECTED_IDS = {
     "Hello world": [2, 9259, 1902],
     "  leading, trailing  ": [2, 138, 26016, 236764, 45330, 138],
@@ -52,6 +53,7 @@ EXPECTED_IDS = {
         2, 43128, 236743, 478, 398, 366, 366, 236743, 478, 395, 386, 390, 236743, 245, 36504,
     ],
 }
+# fmt: on
 TURNS = "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
 TEXTS = [
     *EXPECTED_IDS,
