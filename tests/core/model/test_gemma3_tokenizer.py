@@ -17,7 +17,7 @@ from tokenizers import models
 from plinth.model.chat_templates import GEMMA_TEMPLATE, builtin_chat_template
 from plinth.model.gguf_reader import GGUFFile
 from plinth.model.sentencepiece import derive_merges
-from plinth.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from plinth.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, InvalidText, Tokenizer
 
 # ids from transformers' AutoTokenizer.from_pretrained(dir, gguf_file=...) (checked live: slow test)
 # fmt: off
@@ -271,6 +271,11 @@ def test_llama_vocabulary_prefix_space_byte_fallback_and_bos() -> None:
     assert tok.decode(tok.encode("the and x")) == "the and x"  # the prefix space is not decoded
     assert tok.encode("an<end_of_turn>", add_special_tokens=False)[-1] == tok.token_to_id("<end_of_turn>")
     assert (tok.eos_token_ids, tok.chat_template) == ([2], None)  # not Gemma: <end_of_turn> is no EOS here
+    ids = tok.encode("the é and", add_special_tokens=False)  # é: two byte pieces
+    assert "".join(_stream(tok, [], ids)) == tok.decode(ids) == "the é and"
+    assert "".join(_stream(tok, tok.encode("an"), ids)) == " the é and"  # after context, the space stays
+    with pytest.raises(InvalidText, match="lone surrogate"):
+        tok.encode("the \ud800")
     bare = Tokenizer.from_gguf_metadata(_spm(**{"tokenizer.ggml.add_space_prefix": False}))
     assert _pieces(bare, "the and") == ["t", "he", "▁and"]
     assert bare.decode(bare.encode("the and")) == "the and"
