@@ -2,7 +2,8 @@
 
 A :class:`Tokenizer` comes from a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json``)
 or from a GGUF file's metadata, which stores the vocabulary, merges and special tokens under
-llama.cpp's key names (rebuilt here as the byte-level BPE they describe).
+llama.cpp's key names (rebuilt here as the byte-level BPE they describe, or as SentencePiece BPE by
+:mod:`plinth.model.sentencepiece`).
 """
 
 from __future__ import annotations
