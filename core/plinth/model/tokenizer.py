@@ -2,7 +2,8 @@
 
 A :class:`Tokenizer` comes from a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json``)
 or from a GGUF file's metadata, which stores the vocabulary, merges and special tokens under
-llama.cpp's key names (rebuilt here as the byte-level BPE they describe).
+llama.cpp's key names (rebuilt here as the byte-level BPE they describe, or as SentencePiece BPE by
+:mod:`plinth.model.sentencepiece`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+
+from plinth.model.chat_templates import GEMMA_END_OF_TURN, builtin_chat_template
+from plinth.model.sentencepiece import GEMMA_FAMILY, gguf_sentencepiece_bpe
 
 if TYPE_CHECKING:
     import jinja2
@@ -199,22 +203,39 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str = "") -> Tokenizer:
-        """Rebuild the tokenizer a GGUF file describes (``tokenizer.ggml.model == "gpt2"``:
-        byte-level BPE) from its vocabulary, merges, token types and pre-tokenizer name."""
+        """Rebuild the tokenizer a GGUF file describes from its ``tokenizer.ggml.*`` keys.
+
+        ``tokenizer.ggml.model == "gpt2"``: byte-level BPE from the vocabulary, merges, token types and
+        pre-tokenizer name. ``"llama"``: SentencePiece BPE from the pieces, scores and token types
+        (:mod:`plinth.model.sentencepiece`). A Gemma-family file (``general.architecture`` gemma,
+        gemma2 or gemma3) also ends generation at ``<end_of_turn>``, and gets plinth's Gemma chat
+        template when it carries none (:data:`plinth.model.chat_templates.GEMMA_TEMPLATE`).
+        """
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind == "gpt2":
+            backend = _gguf_byte_level_bpe(metadata)
+        elif kind == "llama":
+            backend = gguf_sentencepiece_bpe(metadata, source)
+        else:
             raise ValueError(
                 f"GGUF tokenizer model {kind!r}{' in ' + source if source else ''} is not supported; "
-                "supported: 'gpt2' (byte-level BPE). Use the model's Hugging Face folder instead."
+                "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE). "
+                "Use the model's Hugging Face folder instead."
             )
-        backend = _gguf_byte_level_bpe(metadata)
         eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in metadata]
+        architecture = str(metadata.get("general.architecture", ""))
+        end_of_turn = backend.token_to_id(GEMMA_END_OF_TURN) if architecture in GEMMA_FAMILY else None
+        if end_of_turn is not None:  # Gemma's chat turns end with <end_of_turn>, not <eos> (as llama.cpp's EOT)
+            eos.append(end_of_turn)
+        template = metadata.get("tokenizer.chat_template") or builtin_chat_template(architecture)
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
         return cls(
             backend,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(e) for e in eos],
-            chat_template=metadata.get("tokenizer.chat_template"),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=template,
+            add_bos=bool(add_bos),
             name=source,
         )
 

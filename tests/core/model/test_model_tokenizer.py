@@ -150,8 +150,8 @@ def test_raise_exception_and_sandbox(smol: Tokenizer) -> None:
 
 
 def test_unsupported_gguf_tokenizer_model() -> None:
-    with pytest.raises(ValueError, match="'llama'.*supported: 'gpt2'"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(ValueError, match="'rwkv' in x.gguf is not supported; supported: 'gpt2'.*'llama'"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "rwkv"}, source="x.gguf")
 
 
 def test_gguf_tokens_outside_the_byte_alphabet_are_respelled() -> None:
