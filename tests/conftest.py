@@ -28,9 +28,15 @@ def hf_smollm2(default_gguf: Path) -> Any:
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    """Hugging Face transformers' fp32 greedy continuation: argmax of the full forward, n times."""
-    ids = list(prompt)
+    """Hugging Face transformers' fp32 greedy continuation of ``n`` tokens (its KV-cached ``generate``,
+    never stopping early: every kind of tiny model reaches EOS by chance)."""
     with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+        out = hf_model.generate(
+            torch.tensor([list(prompt)]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]

@@ -280,8 +280,9 @@ class ModelConfig:
                 num_experts=experts,
                 top_k=int(key("expert_used_count")),
                 intermediate_size=int(metadata.get(f"{arch}.expert_feed_forward_length") or key("feed_forward_length")),
-                # llama.cpp's rule per architecture: Mixtral and Qwen3-MoE renormalise the top-k, Qwen2-MoE not
-                renormalize=arch != "qwen2moe",
+                # the file's expert_weights_norm where it states one; else llama.cpp's rule per
+                # architecture: Mixtral and Qwen3-MoE renormalise the top-k, Qwen2-MoE not
+                renormalize=bool(metadata.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
                 sparse_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(num_layers)),
                 shared_expert_size=int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             )

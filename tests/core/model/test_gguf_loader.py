@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 from model_helpers import allocate_caches, hf_logits, reference_kernels, run_step, save_tiny
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from plinth.model.gguf_loader import hf_name, unpermute_qk
 from plinth.model.gguf_reader import GGML_TYPES, GGUFFile
+from plinth.model.llama import canonical_name
 from plinth.model.loader import load_config, load_model, load_tokenizer, resolve_model
 
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 128, 250, 1, 64, 33]
@@ -32,7 +33,15 @@ _HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+_EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -55,8 +64,9 @@ def gguf_name(name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{kind}"
 
 
-def write_gguf(path: Path, hf: Any, arch: str) -> None:
-    """Write ``hf`` as an F32 GGUF the way llama.cpp's converter lays it out."""
+def write_gguf(path: Path, hf: Any, arch: str, expert_type: Any = None) -> None:
+    """Write ``hf`` as a GGUF the way llama.cpp's converter lays it out: F32, experts stacked into one
+    [E, N, K] tensor per layer and projection (in ``expert_type``, e.g. Q8_0, when given)."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -67,11 +77,24 @@ def write_gguf(path: Path, hf: Any, arch: str) -> None:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for name, tensor in hf.state_dict().items():
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for raw_name, tensor in hf.state_dict().items():
+        name = canonical_name(raw_name)  # Mixtral's block_sparse_moe.experts.E.w1 -> mlp.experts.E.gate_proj
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.detach().numpy().astype(np.float32)
@@ -79,7 +102,30 @@ def write_gguf(path: Path, hf: Any, arch: str) -> None:
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if ".mlp.experts." in name:  # transformers 5 holds them fused in memory: [E, 2I, H] and [E, H, I]
+            prefix, rest = name.split(".mlp.experts.")
+            if rest == "gate_up_proj":
+                gate, up = np.split(data, 2, axis=1)
+                stacks[(prefix, "gate_proj")] = dict(enumerate(gate))
+                stacks[(prefix, "up_proj")] = dict(enumerate(up))
+            elif rest == "down_proj":
+                stacks[(prefix, "down_proj")] = dict(enumerate(data))
+            else:  # per-expert names: E.gate_proj.weight
+                index, proj, _ = rest.split(".")
+                stacks.setdefault((prefix, proj), {})[int(index)] = data
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            data = data[0]  # llama.cpp stores the [1, H] gate as [H]
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+    for (prefix, proj), by_index in stacks.items():
+        stacked = np.ascontiguousarray(np.stack([by_index[e] for e in sorted(by_index)]))  # [E, N, K]
+        layer = prefix.split(".")[2]
+        name = f"blk.{layer}.{_EXPERT[proj]}.weight"
+        if expert_type is None:
+            writer.add_tensor(name, stacked)
+        else:
+            packed = gguf.quants.quantize(stacked, expert_type)
+            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -103,7 +149,32 @@ _COMMON: dict[str, Any] = dict(
     [
         ("llama", LlamaConfig(**_COMMON, tie_word_embeddings=True, rope_theta=100000.0)),
         ("qwen2", Qwen2Config(**_COMMON, tie_word_embeddings=False)),
+        ("qwen3", Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=False)),
+        ("llama", MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2)),  # Mixtral
+        (
+            "qwen2moe",
+            Qwen2MoeConfig(
+                **_COMMON,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                tie_word_embeddings=False,
+            ),
+        ),
+        (
+            "qwen3moe",
+            Qwen3MoeConfig(
+                **_COMMON,
+                head_dim=16,
+                num_experts=8,
+                num_experts_per_tok=3,
+                moe_intermediate_size=24,
+                norm_topk_prob=True,
+            ),
+        ),
     ],
+    ids=["llama", "qwen2", "qwen3", "mixtral", "qwen2moe", "qwen3moe"],
 )
 def test_tiny_gguf_logits_match_hf(tmp_path: Path, arch: str, config: Any) -> None:
     hf = save_tiny(config, tmp_path / "hf")
@@ -113,7 +184,37 @@ def test_tiny_gguf_logits_match_hf(tmp_path: Path, arch: str, config: Any) -> No
     assert source.kind == "gguf"
     model, cfg = load_model(source, reference_kernels(), torch.float32, 4, "float32")
     assert cfg.tie_word_embeddings == config.tie_word_embeddings
-    assert cfg.attention_bias == (arch == "qwen2")
+    assert cfg.attention_bias == (arch in ("qwen2", "qwen2moe"))
+    assert cfg.architecture == type(hf).__name__
+    logits = run_step(model, allocate_caches(model, 1), [PROMPT], [0])
+    assert (logits - hf_logits(hf, PROMPT)).abs().max().item() < 1e-4
+
+
+def test_gguf_expert_tensors_split_per_expert(tmp_path: Path) -> None:
+    """A [E, N, K] Q8_0 expert tensor comes back as E raw-block weights, each the expert's own rows."""
+    config = Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    hf = save_tiny(config, tmp_path / "hf")
+    path = tmp_path / "q8-experts.gguf"
+    write_gguf(path, hf, "qwen3moe", expert_type=gguf.GGMLQuantizationType.Q8_0)
+    file = GGUFFile(path)
+    parts = file.quantized_experts("blk.1.ffn_up_exps.weight")
+    assert parts is not None and len(parts) == 4
+    dense = file.tensor("blk.1.ffn_up_exps.weight")  # [E, I, H] dequantized
+    from plinth.platform.quant import dequantize
+
+    for e, part in enumerate(parts):
+        assert part.format == "q8_0" and part.shape == (hf.config.moe_intermediate_size, 64)
+        assert torch.equal(dequantize(part), dense[e])
+        original = hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"][e].chunk(2)[1]  # [E, 2I, H] in memory
+        assert (dense[e] - original).abs().max().item() < 0.02  # q8_0's rounding, and the right expert
+    # loaded through the model, the Q8_0 experts give the logits of the HF model with those same
+    # rounded experts (a rounding can change a token's routing, so the unrounded model is no oracle)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            gate, up, down = (file.tensor(f"blk.{i}.ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
+            layer.mlp.experts.down_proj.copy_(down)
+    model, _ = load_model(resolve_model(str(path)), reference_kernels(), torch.float32, 4, "float32")
     logits = run_step(model, allocate_caches(model, 1), [PROMPT], [0])
     assert (logits - hf_logits(hf, PROMPT)).abs().max().item() < 1e-4
 
