@@ -247,17 +247,16 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, kernels)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels, row_parallel=row_parallel)
-        if activation == "silu":
-            self.act_and_mul = kernels.ops.silu_and_mul
-        elif activation == "gelu_tanh":
-            self.act_and_mul = kernels.ops.gelu_tanh_and_mul
-        else:
+        if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported MLP activation {activation!r}; supported: 'silu', 'gelu_tanh'")
+        self.silu = activation == "silu"
+        self.ops = kernels.ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, hidden] -> [T, hidden]."""
         gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
-        return self.down_proj.forward(self.act_and_mul(gate_up))  # [T, I] -> [T, hidden]
+        act = self.ops.silu_and_mul(gate_up) if self.silu else self.ops.gelu_tanh_and_mul(gate_up)  # [T, I]
+        return self.down_proj.forward(act)  # [T, hidden]
 
 
 class SparseMoE(nn.Module):
