@@ -85,7 +85,9 @@ def save_tiny_folder(kind: str, folder: Path) -> Any:
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
             elif "embed" in name:
-                p.mul_(20.0)  # wider logit gaps: greedy ties between near-equal tokens are noise
+                # wider logit gaps: greedy ties between near-equal tokens are noise (Gemma scales its
+                # embeddings by sqrt(hidden) itself: 20x more and a tied model only repeats its input)
+                p.mul_(2.0 if kind == "gemma3" else 20.0)
     model.save_pretrained(folder, safe_serialization=True)
     model.config._attn_implementation = "eager"  # the sliding-window mask, the same on every transformers version
     smol = load_tokenizer(resolve_model(None))
