@@ -1,0 +1,123 @@
+"""The CPU backend's fused mixture-of-experts op: the step's tokens grouped by expert.
+
+One ``forward`` routes (:func:`route_experts`), sorts the flattened ``[T * k]`` expert ids once
+(a stable argsort: each expert's rows stay in token order) and walks the experts that got any
+rows: one gate/up GEMM over the expert's whole group, the gated activation, one down GEMM, the
+routing weight. Each expert's weights are therefore read once per step (a decode step with
+T = 1 touches only its k experts), through the backend's own GEMM (:mod:`plinth_cpu.gemm`):
+fp32 weights in the native 8-row panels, q4_1/q8_0 blocks kept as they are, other dtypes
+``F.linear``. The weighted rows are written back in sorted order into a ``[T * k, H]`` buffer and
+summed over each token's k slots in slot order: no scatter-add, so the result is the same bits
+on every call and at any thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from plinth.platform.backend import (
+    ExpertWeights,
+    GemmKernels,
+    LinearWeight,
+    MoEKernels,
+    MoESpec,
+    SmallOps,
+    route_experts,
+)
+from plinth.platform.quant import QuantizedWeight
+
+
+def _check_dense(spec: MoESpec, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    want_gate_up = (spec.num_experts, 2 * spec.intermediate_size, spec.hidden_size)
+    want_down = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
+    if tuple(gate_up.shape) != want_gate_up or tuple(down.shape) != want_down:
+        raise ValueError(
+            f"expert weights gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)}; "
+            f"expected {want_gate_up} / {want_down} for {spec}"
+        )
+
+
+def _check_quantized(spec: MoESpec, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> None:
+    e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    if len(gate_up) != e or len(down) != e:
+        raise ValueError(f"{len(gate_up)} gate_up and {len(down)} down weights for {e} experts ({spec})")
+    for n, (gu, d) in enumerate(zip(gate_up, down, strict=True)):
+        got = [(w.format, w.out_features, w.in_features) for w in (gu, d)]
+        want = [(spec.quant_format, 2 * i, h), (spec.quant_format, h, i)]
+        if got != want:
+            raise ValueError(f"expert {n}: (format, N, K) of gate_up / down {got}; expected {want} ({spec})")
+
+
+class CpuMoE(MoEKernels):
+    """Grouped fused MoE over the backend's GEMM ``gemm`` (in ``spec.dtype``) and its ``ops``."""
+
+    def __init__(self, spec: MoESpec, gemm: GemmKernels, ops: SmallOps) -> None:
+        super().__init__(spec)
+        self.gemm = gemm
+        self.ops = ops
+
+    def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+        """Each expert's ``[2I, H]`` and ``[H, I]`` prepared by the GEMM (fp32: panels, and the dense
+        stacks are dropped; other dtypes keep the stacks, the per-expert weights are views of them)."""
+        _check_dense(self.spec, gate_up, down)
+        gu = [self.gemm.prepare(gate_up[e], None) for e in range(self.spec.num_experts)]
+        dn = [self.gemm.prepare(down[e], None) for e in range(self.spec.num_experts)]
+        fmt = gu[0].format
+        if fmt == "dense":
+            stack_gu = torch.stack([w.weight for w in gu if w.weight is not None])  # [E, 2I, H]
+            stack_dn = torch.stack([w.weight for w in dn if w.weight is not None])  # [E, H, I]
+            gu = [LinearWeight(w.out_features, w.in_features, stack_gu[e]) for e, w in enumerate(gu)]
+            dn = [LinearWeight(w.out_features, w.in_features, stack_dn[e]) for e, w in enumerate(dn)]
+            return ExpertWeights(self.spec, stack_gu, stack_dn, fmt, {"gate_up": gu, "down": dn})
+        return ExpertWeights(self.spec, None, None, fmt, {"gate_up": gu, "down": dn})
+
+    def prepare_quantized(self, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> ExpertWeights:
+        """Each expert's blocks as the GEMM keeps them (q4_1/q8_0: the blocks, never dequantized)."""
+        _check_quantized(self.spec, gate_up, down)
+        gu = [self.gemm.prepare_quantized(w, None) for w in gate_up]
+        dn = [self.gemm.prepare_quantized(w, None) for w in down]
+        return ExpertWeights(self.spec, None, None, gu[0].format, {"gate_up": gu, "down": dn})
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of ``h`` [n, 2I] -> [n, I], in ``h``'s dtype."""
+        if self.spec.activation == "silu":
+            return self.ops.silu_and_mul(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        """``x`` [T, H], ``router_logits`` [T, E] -> [T, H] in ``x``'s dtype."""
+        s = self.spec
+        if x.dim() != 2 or x.shape[1] != s.hidden_size:
+            raise ValueError(f"x {tuple(x.shape)}: expected [T, {s.hidden_size}] for {s}")
+        if tuple(router_logits.shape) != (x.shape[0], s.num_experts):
+            raise ValueError(f"router_logits {tuple(router_logits.shape)}: expected [{x.shape[0]}, {s.num_experts}]")
+        if weights.spec != s:
+            raise ValueError(f"expert weights prepared for {weights.spec}, not {s}")
+        t, k = x.shape[0], s.top_k
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        route_w, route_ids = route_experts(router_logits, k, s.renormalize)  # [T, k] fp32, [T, k] int64
+        flat_ids = route_ids.flatten()  # [T * k]
+        order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, tokens in order
+        counts = torch.bincount(flat_ids, minlength=s.num_experts).tolist()  # one sync for all groups
+        rows = order // k  # [T * k]: the token of each sorted slot
+        slot_w = route_w.flatten()[order].to(acc)  # [T * k]
+        sorted_out = torch.empty(t * k, s.hidden_size, dtype=acc)  # [T * k, H], in sorted slot order
+        gate_up: list[LinearWeight] = weights.data["gate_up"]
+        down: list[LinearWeight] = weights.data["down"]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            end = start + n
+            xs = x.index_select(0, rows[start:end])  # [n, H] contiguous: one GEMM for the whole group
+            h = self.gemm.linear(xs, gate_up[e])  # [n, 2I]
+            y = self.gemm.linear(self._activation(h), down[e])  # [n, H]
+            torch.mul(y, slot_w[start:end, None], out=sorted_out[start:end])
+            start = end
+        per_slot = torch.empty_like(sorted_out)
+        per_slot[order] = sorted_out  # back to [T * k] token-major slot order
+        return per_slot.view(t, k, s.hidden_size).sum(dim=1).to(x.dtype)  # [T, H]
