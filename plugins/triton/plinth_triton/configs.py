@@ -77,6 +77,7 @@ _GEMM_RDNA = (  # gfx11: 32-wide wavefront mode, no MFMA
 # possible (16 rows).
 _GEMM_INTERPRETER = (GemmConfig(16, 8192, 128, group_m=1, num_warps=1, num_stages=1),) * 3
 
+
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Tiles of the fused-MoE grouped GEMM: ``block_m`` sorted (token, expert) slots per program
