@@ -6,9 +6,9 @@ rows: one gate/up GEMM over the expert's whole group, the gated activation, one 
 routing weight. Each expert's weights are therefore read once per step (a decode step with
 T = 1 touches only its k experts), through the backend's own GEMM (:mod:`plinth_cpu.gemm`):
 fp32 weights in the native 8-row panels, q4_1/q8_0 blocks kept as they are, other dtypes
-``F.linear``. The weighted rows are written back in sorted order into a ``[T * k, H]`` buffer and
-summed over each token's k slots in slot order: no scatter-add, so the result is the same bits
-on every call and at any thread count.
+``F.linear``. Each group's weighted rows are copied to their slots of a token-major ``[T * k, H]``
+buffer (every slot written exactly once) and summed over each token's k slots in slot order: no
+scatter-add, so the result is the same bits on every call and at any thread count.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class CpuMoE(MoEKernels):
         counts = torch.bincount(flat_ids, minlength=s.num_experts).tolist()  # one sync for all groups
         rows = order // k  # [T * k]: the token of each sorted slot
         slot_w = route_w.flatten()[order].to(acc)  # [T * k]
-        sorted_out = torch.empty(t * k, s.hidden_size, dtype=acc)  # [T * k, H], in sorted slot order
+        per_slot = torch.empty(t * k, s.hidden_size, dtype=acc)  # [T * k, H], token-major slots
         gate_up: list[LinearWeight] = weights.data["gate_up"]
         down: list[LinearWeight] = weights.data["down"]
         start = 0
@@ -116,8 +116,6 @@ class CpuMoE(MoEKernels):
             xs = x.index_select(0, rows[start:end])  # [n, H] contiguous: one GEMM for the whole group
             h = self.gemm.linear(xs, gate_up[e])  # [n, 2I]
             y = self.gemm.linear(self._activation(h), down[e])  # [n, H]
-            torch.mul(y, slot_w[start:end, None], out=sorted_out[start:end])
+            per_slot.index_copy_(0, order[start:end], y.to(acc) * slot_w[start:end, None])  # each slot once
             start = end
-        per_slot = torch.empty_like(sorted_out)
-        per_slot[order] = sorted_out  # back to [T * k] token-major slot order
         return per_slot.view(t, k, s.hidden_size).sum(dim=1).to(x.dtype)  # [T, H]
