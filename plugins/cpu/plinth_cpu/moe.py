@@ -6,8 +6,8 @@ rows: one gate/up GEMM over the expert's whole group, the gated activation, one 
 routing weight. Each expert's weights are therefore read once per step (a decode step with
 T = 1 touches only its k experts), through the backend's own GEMM (:mod:`plinth_cpu.gemm`):
 fp32 weights in the native 8-row panels, q4_1/q8_0 blocks kept as they are, other dtypes
-``F.linear``. Each group's weighted rows are copied to their slots of a token-major ``[T * k, H]``
-buffer (every slot written exactly once) and summed over each token's k slots in slot order: no
+``F.linear``. The groups' outputs, weighted, are copied to their slots of a token-major
+``[T * k, H]`` buffer (every slot written exactly once) and summed over each token's k slots in slot order: no
 scatter-add, so the result is the same bits on every call and at any thread count.
 """
 
@@ -58,6 +58,14 @@ class CpuMoE(MoEKernels):
         super().__init__(spec)
         self.gemm = gemm
         self.ops = ops
+        self._buffers: dict[str, torch.Tensor] = {}  # reused [T * k, H] work buffers, grown as needed
+
+    def _scratch(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``[rows, cols]`` work buffer kept between calls (its contents are overwritten)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < rows * cols:
+            buf = self._buffers[name] = torch.empty(rows * cols, dtype=dtype)
+        return buf[: rows * cols].view(rows, cols)
 
     def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
         """Each expert's ``[2I, H]`` and ``[H, I]`` prepared by the GEMM (fp32: panels, and the dense
@@ -103,19 +111,29 @@ class CpuMoE(MoEKernels):
         flat_ids = route_ids.flatten()  # [T * k]
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, tokens in order
         counts = torch.bincount(flat_ids, minlength=s.num_experts).tolist()  # one sync for all groups
-        rows = order // k  # [T * k]: the token of each sorted slot
-        slot_w = route_w.flatten()[order].to(acc)  # [T * k]
-        per_slot = torch.empty(t * k, s.hidden_size, dtype=acc)  # [T * k, H], token-major slots
+        # Two costs of this host shape the code. A torch op big enough to use torch's thread pool
+        # costs a few ms whenever a pool thread is descheduled (a [256, 512] mul: 0.03 ms on one
+        # thread, 4-8 ms on two at load ~3 on 2 cores), so the per-expert loop runs only the native
+        # GEMMs and activation, and the gather, weighting and un-sorting are one op each around it
+        # (64 groups of such ops: 1.9 s for E=64/k=8/T=2048). And a fresh buffer of 32 MB or more
+        # is mmapped and faulted in page by page on every call (a [16384, 512] fp32 cat: 0.5 s),
+        # so the [T * k, H] buffers are kept between calls.
+        rows = t * k
+        xs_all = self._scratch("rows", rows, s.hidden_size, x.dtype)  # [T * k, H], sorted by expert
+        torch.index_select(x, 0, order // k, out=xs_all)  # each slot's token row
         gate_up: list[LinearWeight] = weights.data["gate_up"]
         down: list[LinearWeight] = weights.data["down"]
+        ys: list[torch.Tensor] = []
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            end = start + n
-            xs = x.index_select(0, rows[start:end])  # [n, H] contiguous: one GEMM for the whole group
-            h = self.gemm.linear(xs, gate_up[e])  # [n, 2I]
-            y = self.gemm.linear(self._activation(h), down[e])  # [n, H]
-            per_slot.index_copy_(0, order[start:end], y.to(acc) * slot_w[start:end, None])  # each slot once
-            start = end
+            h = self.gemm.linear(xs_all[start : start + n], gate_up[e])  # [n, 2I]: the whole group at once
+            ys.append(self.gemm.linear(self._activation(h), down[e]))  # [n, H]
+            start += n
+        weighted = self._scratch("weighted", rows, s.hidden_size, acc)  # [T * k, H], sorted by expert
+        torch.cat(ys, out=weighted)  # (cast to acc: bf16/fp16 GEMM outputs are summed in fp32)
+        weighted.mul_(route_w.flatten()[order].to(acc)[:, None])  # each row's routing weight
+        per_slot = self._scratch("slots", rows, s.hidden_size, acc)  # [T * k, H], token-major slots
+        per_slot.index_copy_(0, order, weighted)  # each slot written once
         return per_slot.view(t, k, s.hidden_size).sum(dim=1).to(x.dtype)  # [T, H]
