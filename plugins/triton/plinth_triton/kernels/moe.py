@@ -123,7 +123,8 @@ def align_by_expert(
     flat = ids.flatten()  # [S], S = T * k
     slots = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E]; not torch.bincount, which reads the largest id back to the host to size its output
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     run_start = torch.cumsum(counts, 0) - counts  # [E]: where each expert's slots start, unpadded
