@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from plinth.platform.backend import torch_dtype
 from plinth.platform.quant import QuantizedWeight, dequantize
 from plinth_conformance.moe_cases import MoECase
-from plinth_conformance.quantized import ACTIVATION_SCHEMES, minimums, random_weight, scheme_operands, tie_allowance
+from plinth_conformance.quantized import (
+    ACTIVATION_SCHEMES,
+    minimums,
+    random_weight,
+    rounded_weight,
+    scheme_operands,
+    tie_allowance,
+)
 
 #: Logit margin between a token's weakest chosen expert and its strongest other one.
 GAP = 0.3
@@ -183,13 +190,15 @@ def quantized_gold(
             if scheme == "none":
                 continue
             y, a, gate, up = _chain(xs, wgu, mgu, wd, md, case.activation, scheme)
-            tie_h = tie_allowance(xs, wgu, scheme)  # [n, 2I]: ties of the first rounding
+            tie_h = tie_allowance(xs, rounded_weight(wgu, mgu, scheme), scheme)  # [n, 2I]: first rounding's ties
             tie_g, tie_u = tie_h.chunk(2, dim=-1)
             act_g = (F.silu(gate) if case.activation == "silu" else F.gelu(gate, approximate="tanh")).abs()
             tie_a = ACT_SLOPE * up.abs() * tie_g + act_g * tie_u  # [n, I], first order
             window = rel * (a.abs() + a.pow(2).mean(-1, keepdim=True).sqrt()) + tie_a
-            near = _near_half(a, wd, scheme, window)
-            worst = torch.maximum(worst, (y - y_none).abs() + tie_a @ wd.double().abs().t() + near)
+            near = _near_half(a, rounded_weight(wd, md, scheme), scheme, window)  # the second rounding's ties
+            w_round = rounded_weight(wd, md, scheme)  # what the rounded a multiplies; the rest takes a's sum
+            spread = tie_a @ (w_round.double().abs() + (wd - w_round).double().abs()).t()  # tie_a through down
+            worst = torch.maximum(worst, (y - y_none).abs() + spread + near)
         w = weights[tokens, slot][:, None]
         gold.index_add_(0, tokens, y_none * w)
         allowance.index_add_(0, tokens, worst * w)
