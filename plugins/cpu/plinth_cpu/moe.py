@@ -72,15 +72,17 @@ class CpuMoE(MoEKernels):
         """Each expert's ``[2I, H]`` and ``[H, I]`` prepared by the GEMM (fp32: panels, and the dense
         stacks are dropped; other dtypes keep the stacks, the per-expert weights are views of them)."""
         _check_dense(self.spec, gate_up, down)
-        gu = [self.gemm.prepare(gate_up[e], None) for e in range(self.spec.num_experts)]
+        first = self.gemm.prepare(gate_up[0], None)
+        if first.format == "dense" and first.weight is not None:  # kept [N, K]: one stack, views per expert
+            dtype = first.weight.dtype
+            stack_gu = gate_up.to(device="cpu", dtype=dtype).contiguous()  # [E, 2I, H]
+            stack_dn = down.to(device="cpu", dtype=dtype).contiguous()  # [E, H, I]
+            gu = [LinearWeight(w.shape[0], w.shape[1], w) for w in stack_gu]
+            dn = [LinearWeight(w.shape[0], w.shape[1], w) for w in stack_dn]
+            return ExpertWeights(self.spec, stack_gu, stack_dn, "dense", {"gate_up": gu, "down": dn})
+        gu = [first] + [self.gemm.prepare(gate_up[e], None) for e in range(1, self.spec.num_experts)]
         dn = [self.gemm.prepare(down[e], None) for e in range(self.spec.num_experts)]
-        fmt = gu[0].format
-        if fmt == "dense":
-            stack_gu = torch.stack([w.weight for w in gu if w.weight is not None])  # [E, 2I, H]
-            stack_dn = torch.stack([w.weight for w in dn if w.weight is not None])  # [E, H, I]
-            gu = [LinearWeight(w.out_features, w.in_features, stack_gu[e]) for e, w in enumerate(gu)]
-            dn = [LinearWeight(w.out_features, w.in_features, stack_dn[e]) for e, w in enumerate(dn)]
-            return ExpertWeights(self.spec, stack_gu, stack_dn, fmt, {"gate_up": gu, "down": dn})
+        fmt = first.format
         return ExpertWeights(self.spec, None, None, fmt, {"gate_up": gu, "down": dn})
 
     def prepare_quantized(self, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> ExpertWeights:
