@@ -20,13 +20,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from plinth.platform.backend import ExpertWeights, LinearWeight, MoESpec, route_experts
 from plinth.platform.reference import ReferenceMoE
-from plinth_cpu import CpuBackend
 from plinth_conformance.quantized import random_weight
+from plinth_cpu import CpuBackend
 from plinth_cpu.moe import CpuMoE
 
 #: (experts, top-k, hidden, intermediate): a Mixtral-like and a Qwen3-MoE-like layer, scaled down.
@@ -76,7 +77,8 @@ def main() -> None:
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"host: {os.cpu_count()} CPUs, {torch.get_num_threads()} threads, load average {load} (before)")
     print(f"experts: {args.quant or 'fp32 dense'}\n")
-    print("| E | k | H | I | T | grouped ms (min / median) | per-token ms | reference ms | per-token / grouped | reference / grouped |")
+    cols = ("E", "k", "H", "I", "T", "grouped ms (min / median)", "per-token ms", "reference ms")
+    print("| " + " | ".join(cols) + " | per-token / grouped | reference / grouped |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for e, k, h, i in SHAPES:
         spec = MoESpec(e, k, h, i, quant_format=args.quant)
@@ -95,10 +97,10 @@ def main() -> None:
         for t in args.tokens:
             x = torch.randn(t, h, generator=gen)
             logits = torch.randn(t, e, generator=gen)
-            g_min, g_med, _ = timed(lambda: moe.forward(x, logits, weights), args.budget, 50)
-            r_min, _, _ = timed(lambda: ref.forward(x, logits, ref_weights), args.budget, 50)
+            g_min, g_med, _ = timed(partial(moe.forward, x, logits, weights), args.budget, 50)
+            r_min, _, _ = timed(partial(ref.forward, x, logits, ref_weights), args.budget, 50)
             if t <= args.skip_loop_above:
-                l_min, _, _ = timed(lambda: per_token_loop(moe, x, logits, weights), args.budget, 20)
+                l_min, _, _ = timed(partial(per_token_loop, moe, x, logits, weights), args.budget, 20)
                 loop, ratio = f"{l_min * 1e3:.2f}", f"{l_min / g_min:.1f}x"
             else:
                 loop = ratio = "-"

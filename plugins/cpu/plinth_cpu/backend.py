@@ -28,7 +28,7 @@ from plinth.platform.backend import (
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
 from plinth_cpu.gemm import CpuGemm, NativeGemm
 from plinth_cpu.host_memory import huge_page_tensor
-from plinth_cpu.moe import CpuMoE
+from plinth_cpu.moe import CpuMoE, MoEScratch
 from plinth_cpu.native import QUANT_FORMATS, NativeGraph, NativeKernels, native, native_loaded, native_status
 from plinth_cpu.ops import CpuOps, TorchOps
 
@@ -158,6 +158,7 @@ class CpuBackend(Backend):
 
     def __init__(self) -> None:
         self._services = CpuServices()
+        self._moe_scratch = MoEScratch()  # the fused MoE's [T * k, H] work buffers, shared by all layers
 
     @functools.cached_property
     def _caps(self) -> Capabilities:
@@ -243,9 +244,10 @@ class CpuBackend(Backend):
 
     def moe_kernels(self, spec: MoESpec) -> MoEKernels:
         """:class:`CpuMoE`: the step's tokens grouped by expert, one GEMM per expert group through
-        :meth:`gemm_kernels` in ``spec.dtype``; :class:`NotSupported` for an undeclared ``spec``."""
+        :meth:`gemm_kernels` in ``spec.dtype``, its work buffers shared with every other MoE layer's;
+        :class:`NotSupported` for an undeclared ``spec``."""
         self._caps.require_moe(self.name, spec)
-        return CpuMoE(spec, self.gemm_kernels(spec.dtype), self.small_ops())
+        return CpuMoE(spec, self.gemm_kernels(spec.dtype), self.small_ops(), self._moe_scratch)
 
     def small_ops(self) -> SmallOps:
         """RMSNorm, SiLU-and-mul, rotary and the sampler's argmax: :class:`CpuOps` (native for fp32)

@@ -52,21 +52,31 @@ def _check_quantized(spec: MoESpec, gate_up: Sequence[QuantizedWeight], down: Se
             raise ValueError(f"expert {n}: (format, N, K) of gate_up / down {got}; expected {want} ({spec})")
 
 
-class CpuMoE(MoEKernels):
-    """Grouped fused MoE over the backend's GEMM ``gemm`` (in ``spec.dtype``) and its ``ops``."""
+class MoEScratch:
+    """Work buffers kept between fused-MoE calls, grown as needed. One per backend, shared by every
+    layer's op: layers run one after another, and each call's result is a fresh tensor."""
 
-    def __init__(self, spec: MoESpec, gemm: GemmKernels, ops: SmallOps) -> None:
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``[rows, cols]`` buffer (its contents are overwritten by the caller)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < rows * cols:
+            self._buffers.pop(name, None)  # freed before the larger one is allocated
+            buf = self._buffers[name] = torch.empty(rows * cols, dtype=dtype)
+        return buf[: rows * cols].view(rows, cols)
+
+
+class CpuMoE(MoEKernels):
+    """Grouped fused MoE over the backend's GEMM ``gemm`` (in ``spec.dtype``) and its ``ops``;
+    ``scratch`` holds the work buffers (the backend passes one shared by all its MoE layers)."""
+
+    def __init__(self, spec: MoESpec, gemm: GemmKernels, ops: SmallOps, scratch: MoEScratch | None = None) -> None:
         super().__init__(spec)
         self.gemm = gemm
         self.ops = ops
-        self._buffers: dict[str, torch.Tensor] = {}  # reused [T * k, H] work buffers, grown as needed
-
-    def _scratch(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        """A ``[rows, cols]`` work buffer kept between calls (its contents are overwritten)."""
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < rows * cols:
-            buf = self._buffers[name] = torch.empty(rows * cols, dtype=dtype)
-        return buf[: rows * cols].view(rows, cols)
+        self.scratch = scratch or MoEScratch()
 
     def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
         """Each expert's ``[2I, H]`` and ``[H, I]`` prepared by the GEMM (fp32: panels, and the dense
@@ -130,7 +140,7 @@ class CpuMoE(MoEKernels):
         # is mmapped and faulted in page by page on every call (a [16384, 512] fp32 cat: 0.5 s),
         # so the [T * k, H] buffers are kept between calls.
         rows = t * k
-        xs_all = self._scratch("rows", rows, s.hidden_size, x.dtype)  # [T * k, H], sorted by expert
+        xs_all = self.scratch.get("rows", rows, s.hidden_size, x.dtype)  # [T * k, H], sorted by expert
         torch.index_select(x, 0, order // k, out=xs_all)  # each slot's token row
         ys: list[torch.Tensor] = []
         start = 0
@@ -140,9 +150,9 @@ class CpuMoE(MoEKernels):
             h = self.gemm.linear(xs_all[start : start + n], gate_up[e])  # [n, 2I]: the whole group at once
             ys.append(self.gemm.linear(self._activation(h), down[e]))  # [n, H]
             start += n
-        weighted = self._scratch("weighted", rows, s.hidden_size, acc)  # [T * k, H], sorted by expert
+        weighted = self.scratch.get("weighted", rows, s.hidden_size, acc)  # [T * k, H], sorted by expert
         torch.cat(ys, out=weighted)  # (cast to acc: bf16/fp16 GEMM outputs are summed in fp32)
         weighted.mul_(route_w.flatten()[order].to(acc)[:, None])  # each row's routing weight
-        per_slot = self._scratch("slots", rows, s.hidden_size, acc)  # [T * k, H], token-major slots
+        per_slot = self.scratch.get("slots", rows, s.hidden_size, acc)  # [T * k, H], token-major slots
         per_slot.index_copy_(0, order, weighted)  # each slot written once
         return per_slot.view(t, k, s.hidden_size).sum(dim=1).to(x.dtype)  # [T, H]

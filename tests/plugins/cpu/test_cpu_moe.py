@@ -45,7 +45,12 @@ class _CountingGemm(GemmKernels):
 
 @pytest.mark.parametrize(
     "dtype,act,tol",
-    [("float32", "silu", 1e-5), ("float32", "gelu_tanh", 1e-5), ("bfloat16", "silu", 2e-2), ("float64", "gelu_tanh", 1e-12)],
+    [
+        ("float32", "silu", 1e-5),
+        ("float32", "gelu_tanh", 1e-5),
+        ("bfloat16", "silu", 2e-2),
+        ("float64", "gelu_tanh", 1e-12),
+    ],
 )
 @pytest.mark.parametrize("e,k,t", [(8, 2, 37), (64, 8, 5), (1, 1, 3), (8, 8, 1)])
 def test_matches_the_reference_op(dtype: str, act: str, tol: float, e: int, k: int, t: int) -> None:
@@ -129,3 +134,17 @@ def test_bad_shapes_name_what_was_wrong() -> None:
         moe.forward(torch.randn(3, 64), torch.randn(3, 4), weights)
     with pytest.raises(ValueError, match=r"x \(3, 65\): expected \[T, 64\]"):
         moe.forward(torch.randn(3, 65), torch.randn(3, 8), weights)
+
+
+def test_layers_share_one_set_of_work_buffers_and_results_are_not_aliased() -> None:
+    """Two MoE layers from one backend reuse the same scratch; a result survives the next call."""
+    backend = CpuBackend()
+    spec = MoESpec(8, 2, 64, 32)
+    first, second = backend.moe_kernels(spec), backend.moe_kernels(spec)
+    w1, w2 = first.prepare(*_experts(spec, 0)), second.prepare(*_experts(spec, 1))
+    x, logits = _inputs(spec, 40)
+    out1 = first.forward(x, logits, w1)
+    kept = out1.clone()
+    second.forward(x, logits, w2)
+    assert torch.equal(out1, kept)
+    assert isinstance(first, CpuMoE) and isinstance(second, CpuMoE) and first.scratch is second.scratch

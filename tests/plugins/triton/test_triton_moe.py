@@ -60,7 +60,9 @@ def test_half_precision(dtype: torch.dtype, tol: float) -> None:
     moe = _moe(spec)
     out = moe.forward(x, logits, moe.prepare(gate_up, down))
     assert out.dtype == dtype
-    want = _reference(MoESpec(8, 2, 64, 32), gate_up.float(), down.float(), x.float(), logits)  # fp32 from the same inputs
+    want = _reference(
+        MoESpec(8, 2, 64, 32), gate_up.float(), down.float(), x.float(), logits
+    )  # fp32 from the same inputs
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
 
