@@ -45,6 +45,7 @@ from plinth_conformance.cases import (
     QuantCase,
     case_seed,
 )
+from plinth_conformance.moe_cases import MoECase
 
 _SHORT = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16"}
 
@@ -277,6 +278,9 @@ def covered(cases: list[Any], caps: Capabilities | None) -> dict[str, Any]:
     out: dict[str, Any] = {k: sorted(v) for k, v in sorted(values.items())}  # each set holds one type
     out["gemm_shapes"] = sorted({f"{c.m}x{c.k}x{c.n}" for c in cases if isinstance(c, GemmCase)})
     out["quant_shapes"] = sorted({f"{c.fmt}:{c.m}x{c.k}x{c.n}" for c in cases if isinstance(c, QuantCase) and c.m})
+    out["moe_shapes"] = sorted(
+        {f"e{c.experts}k{c.top_k}:{c.dtype}:{c.quant or 'dense'}" for c in cases if isinstance(c, MoECase) and c.tokens}
+    )
     out["path_classes"] = dict(sorted(paths.items()))
     if caps is not None:
         declared: dict[str, set[Any]] = {
@@ -323,6 +327,14 @@ def path_tags(case: Any) -> list[str]:
             tags.append("determinism")
     elif isinstance(case, QuantCase) and case.skip is None:
         tags.append("quant-many-rows" if case.m >= 128 else "quant")
+        if case.twice:
+            tags.append("determinism")
+    elif isinstance(case, MoECase) and case.skip is None:
+        tags.append(f"moe-{case.routing}" if case.quant is None else "moe-quantized")
+        if case.tokens >= 2048:
+            tags.append("moe-t2048")
+        if case.guarded:
+            tags.append("moe-guarded")
         if case.twice:
             tags.append("determinism")
     elif isinstance(case, KVWriteCase):

@@ -47,13 +47,15 @@ LONG_DECODE_LENGTHS: tuple[int, ...] = (
 )
 
 #: Value regimes of a batch: (query scale, key scale, value scale, softmax scale in units of
-#: 1/sqrt(D)). ``large`` puts scores past 88 (exp overflows fp32 without the running maximum),
+#: 1/sqrt(D)). ``large`` puts scores past 88 (exp overflows fp32 without the running maximum):
+#: scores of std 45, so a decode batch's ~800 scores hold ~20 above 88 whatever the seed (suite 1.5;
+#: 1.4's std 30 left about one, and the reseeded decode-vlarge case none),
 #: ``small`` makes every operand tiny (absolute epsilons show), ``scale`` passes a softmax scale
 #: that is not 1/sqrt(D) (a kernel that recomputes it fails), ``adversarial`` drives soft-capped
 #: logits far into tanh's saturation (|score / cap| ~ 50: a tanh built from exp(2x) overflows).
 REGIMES: dict[str, tuple[float, float, float, float]] = {
     "normal": (1.0, 1.0, 1.0, 1.0),
-    "large": (30.0, 1.0, 1.0, 1.0),
+    "large": (45.0, 1.0, 1.0, 1.0),
     "small": (1e-2, 1e-2, 1e-3, 1.0),
     "scale": (1.0, 1.0, 1.0, 2.9),
     "adversarial": (80.0, 1.0, 1.0, 1.0),

@@ -117,7 +117,7 @@ def state_of(config: pytest.Config) -> SuiteState:
 
 
 def _generators() -> dict[str, Callable[..., list[Any]]]:
-    from plinth_conformance import cases, coverage
+    from plinth_conformance import cases, coverage, moe_cases
 
     return {
         "attention_case": coverage.all_attention_cases,
@@ -128,6 +128,8 @@ def _generators() -> dict[str, Callable[..., list[Any]]]:
         "quant_case": coverage.all_quant_cases,
         "ops_case": coverage.all_ops_cases,
         "undeclared_case": cases.undeclared_cases,
+        "moe_case": moe_cases.moe_cases,
+        "moe_undeclared_case": moe_cases.moe_undeclared_cases,
         "engine_case": cases.engine_cases,
         "perf_case": cases.perf_cases,
         "collective_case": lambda caps, _dtype: collective_cases(caps.dtypes),

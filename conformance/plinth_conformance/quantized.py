@@ -153,6 +153,12 @@ def minimums(weight: QuantizedWeight) -> torch.Tensor:
     return m.expand(-1, ACT_BLOCK).reshape(weight.out_features, weight.in_features)
 
 
+def rounded_weight(w: torch.Tensor, mins: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The weight the *rounded* activations multiply under ``scheme``: ``w - m`` where the scheme keeps
+    the exact sum for q4_1's minimum, else ``w`` (what a tie's one quantum is scaled by)."""
+    return w - mins if ACTIVATION_SCHEMES[scheme][2] and bool(mins.any()) else w
+
+
 def scheme_operands(
     x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor, scheme: str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -160,7 +166,7 @@ def scheme_operands(
     for a scheme that keeps the exact sum for q4_1's minimum, ``[(x_rounded, w - m), (x, m)]``."""
     xr = round_activations(x, scheme)
     if ACTIVATION_SCHEMES[scheme][2] and bool(mins.any()):
-        return [(xr, w - mins), (x.float(), mins)]
+        return [(xr, rounded_weight(w, mins, scheme)), (x.float(), mins)]
     return [(xr, w)]
 
 

@@ -20,14 +20,25 @@ from plinth.platform.backend import (
     AttentionSpec,
     Backend,
     Capabilities,
+    ExpertWeights,
     GemmKernels,
     KVCacheLayout,
     LinearWeight,
+    MoECapabilities,
+    MoEKernels,
+    MoESpec,
     NotSupported,
     SmallOps,
+    route_experts,
 )
-from plinth.platform.quant import QUANT_BLOCKS, QuantizedWeight, dequantize_blocks
-from plinth.platform.reference import ReferenceAttention, ReferenceBackend, ReferenceGemm
+from plinth.platform.quant import QUANT_BLOCKS, QuantizedWeight, dequantize, dequantize_blocks
+from plinth.platform.reference import (
+    ReferenceAttention,
+    ReferenceBackend,
+    ReferenceGemm,
+    ReferenceMoE,
+    gated_activation,
+)
 
 
 def _full_block_attention(
@@ -149,6 +160,77 @@ class _StaleResidualOps(SmallOps):
     def add_rms_norm(self, x, residual, weight, eps):  # noqa: ANN001, ANN201
         s = x + residual
         return self.rms_norm(s, weight, eps), residual  # the bug: the old residual returned as the sum
+
+
+def _round_int8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] rounded to int8 per 32-block with scale amax / 127 (llama.cpp's activations)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(d > 0, xb / d, torch.zeros_like(xb)).round()
+    return (q * d).reshape(m, k)
+
+
+class _GroupedMoE(ReferenceMoE):
+    """The reference op written as a backend would: routed, then expert by expert over its tokens;
+    quantized experts keep their blocks. The hooks are where the bugs go."""
+
+    def prepare_quantized(self, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> ExpertWeights:
+        return ExpertWeights(self.spec, None, None, self.spec.quant_format or "dense", {"q": (gate_up, down)})
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_experts(logits, self.spec.top_k, self.spec.renormalize)
+
+    def experts(self) -> range:
+        return range(self.spec.num_experts)
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+    def _expert(self, weights: ExpertWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if "q" not in weights.data:
+            assert weights.gate_up is not None and weights.down is not None
+            return weights.gate_up[e].float(), weights.down[e].float()
+        gate_up, down = weights.data["q"]
+        return dequantize(gate_up[e]), dequantize(down[e])
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        x = self.inputs(x)
+        route_w, ids = self.route(router_logits)
+        out = torch.zeros(x.shape[0], self.spec.hidden_size)
+        for e in self.experts():
+            tokens, slot = torch.nonzero(ids == e, as_tuple=True)
+            if tokens.numel() == 0:
+                continue
+            w_gate_up, w_down = self._expert(weights, e)
+            h = gated_activation(self.activations(x[tokens]) @ w_gate_up.t(), self.spec.activation)
+            out.index_add_(0, tokens, (self.activations(h) @ w_down.t()) * route_w[tokens, slot][:, None])
+        return out.to(x.dtype)
+
+
+class _MoEAlwaysRenormalizes(_GroupedMoE):
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_experts(logits, self.spec.top_k, True)  # the bug: the spec's flag ignored
+
+
+class _MoEDropsLastExpert(_GroupedMoE):
+    def experts(self) -> range:
+        return range(self.spec.num_experts - 1)  # the bug: an off-by-one in the group loop
+
+
+class _MoEAssumesContiguous(_GroupedMoE):
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x.as_strided(x.shape, (x.shape[1], 1))  # the bug: rows read as if densely packed
+
+
+class _MoERoundsActivations(_GroupedMoE):
+    """Correct: both GEMMs of a quantized expert take int8-rounded activations, as llama.cpp's do."""
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        return _round_int8(x) if self.spec.quant_format is not None else x.float()
 
 
 class _Broken(ReferenceBackend):
@@ -282,6 +364,60 @@ class StaleResidualBackend(_Broken):
         return _StaleResidualOps()
 
 
+class _MoE(_Broken):
+    """Declares the fused-MoE op (plugin API 1.8) in fp32, both activations, q4_1 and q8_0 experts."""
+
+    api_version = (1, 8)
+    moe_cls: type[MoEKernels] = _GroupedMoE
+
+    def declare(self) -> Capabilities:
+        moe = MoECapabilities(
+            dtypes=frozenset({"float32"}),
+            quant_formats=frozenset({"q4_1", "q8_0"}),
+            activations=frozenset({"silu", "gelu_tanh"}),
+        )
+        return Capabilities(**{**_fields(super().declare()), "fused_moe": moe})
+
+    def moe_kernels(self, spec: MoESpec) -> MoEKernels:
+        self._caps.require_moe(self.name, spec)
+        return self.moe_cls(spec)
+
+
+class MoEOkBackend(_MoE):
+    """Correct: the grouped reference op, quantized experts dequantized per call."""
+
+    name = "moe_ok"
+
+
+class MoERoundsActivationsBackend(_MoE):
+    name = "moe_rounds_activations"
+    moe_cls = _MoERoundsActivations
+
+
+class MoEAlwaysRenormalizesBackend(_MoE):
+    name = "broken_moe_renormalize"
+    moe_cls = _MoEAlwaysRenormalizes
+
+
+class MoEDropsLastExpertBackend(_MoE):
+    name = "broken_moe_drops_expert"
+    moe_cls = _MoEDropsLastExpert
+
+
+class MoEAssumesContiguousBackend(_MoE):
+    name = "broken_moe_contiguous"
+    moe_cls = _MoEAssumesContiguous
+
+
+class MoEAcceptsAnythingBackend(_MoE):
+    """Declares fp32 only, but hands out the op for any spec."""
+
+    name = "broken_moe_accepts_anything"
+
+    def moe_kernels(self, spec: MoESpec) -> MoEKernels:
+        return ReferenceMoE(spec)
+
+
 class DeclaresNothingBackend(_Broken):
     """Declares no capability at all: the mandatory profile must make it fail."""
 
@@ -322,6 +458,12 @@ BROKEN: dict[str, type[_Broken]] = {
         QuantIgnoresMinBackend,
         QuantSwapsNibblesBackend,
         StaleResidualBackend,
+        MoEOkBackend,
+        MoERoundsActivationsBackend,
+        MoEAlwaysRenormalizesBackend,
+        MoEDropsLastExpertBackend,
+        MoEAssumesContiguousBackend,
+        MoEAcceptsAnythingBackend,
     )
 }
 PLUGINS = {name: _Plugin(cls) for name, cls in BROKEN.items()}
@@ -338,3 +480,9 @@ quant_rounds_activations = PLUGINS["quant_rounds_activations"]
 q4_1_min = PLUGINS["broken_q4_1_min"]
 nibble_order = PLUGINS["broken_nibble_order"]
 stale_residual = PLUGINS["broken_stale_residual"]
+moe_ok = PLUGINS["moe_ok"]
+moe_rounds_activations = PLUGINS["moe_rounds_activations"]
+moe_renormalize = PLUGINS["broken_moe_renormalize"]
+moe_drops_expert = PLUGINS["broken_moe_drops_expert"]
+moe_contiguous = PLUGINS["broken_moe_contiguous"]
+moe_accepts_anything = PLUGINS["broken_moe_accepts_anything"]

@@ -8,14 +8,17 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from plinth.platform.backend import Capabilities
+from plinth.platform.backend import Capabilities, MoECapabilities
 from plinth_conformance.cli import suite_args
 from plinth_conformance.coverage import all_quant_cases
+from plinth_conformance.moe import chosen_experts
+from plinth_conformance.moe_cases import MoECase, moe_cases
 
 pytest_plugins = ["pytester"]
 
@@ -41,9 +44,14 @@ def _write_dist(root: Path) -> None:
         "q4_1_min",
         "nibble_order",
         "stale_residual",
+        "moe_renormalize",
+        "moe_drops_expert",
+        "moe_contiguous",
+        "moe_accepts_anything",
     ]
     entries = [f"broken_{n} = {MODULE}:{n}" for n in names]
-    entries += [f"{n} = {MODULE}:{n}" for n in ("quant_ok", "quant_rounds_activations")]  # correct ones
+    correct = ("quant_ok", "quant_rounds_activations", "moe_ok", "moe_rounds_activations")
+    entries += [f"{n} = {MODULE}:{n}" for n in correct]  # correct ones
     lines = "\n".join(entries)
     (info / "entry_points.txt").write_text(f"[plinth.backends]\n{lines}\n")
 
@@ -230,3 +238,66 @@ def test_cli_exits_nonzero_and_the_printed_command_reruns_one_case(
     assert '"result": "failed"' in cert and "kvwrite-f32-h64-bs16-kvh2" in cert
     again = _run(pytester, "broken_padding_slot", "extended", rerun.group(1))
     again.assert_outcomes(failed=1)
+
+
+#: What the fused-MoE test backends declare (``broken_backends._MoE``): fp32, both activations, q4_1/q8_0.
+MOE_CAPS = Capabilities(
+    F32,
+    F32,
+    frozenset({64, 128}),
+    (16,),
+    fused_moe=MoECapabilities(F32, frozenset({"q4_1", "q8_0"}), activations=frozenset({"silu", "gelu_tanh"})),
+)
+
+
+def _moe_ids(keep: Callable[[MoECase], bool] = lambda c: True) -> set[str]:
+    return {c.id for c in moe_cases(MOE_CAPS, "float32") if keep(c)}
+
+
+def _routes_to_last_expert(case: MoECase) -> bool:
+    """Whether any token of ``case`` is routed to its last expert (the suite draws the routing first)."""
+    chosen = chosen_experts(case, torch.Generator().manual_seed(case.seed))
+    return bool((chosen == case.experts - 1).any())
+
+
+@pytest.mark.parametrize("backend", ["moe_ok", "moe_rounds_activations"])
+def test_correct_fused_moe_passes_with_or_without_activation_rounding(
+    pytester: pytest.Pytester, broken_site: Path, backend: str
+) -> None:
+    """The grouped op passes every declared case; so does int8 rounding of a quantized expert's
+    activations (both GEMMs), and the one undeclared dtype raises NotSupported."""
+    result = _run(pytester, backend, "extended", "moe")
+    assert result.ret == 0, "\n".join(result.outlines[-40:])
+    result.assert_outcomes(passed=len(_moe_ids()) + 1)
+
+
+def test_fused_moe_ignoring_renormalize_fails_exactly_the_unnormalised_cases(
+    pytester: pytest.Pytester, broken_site: Path
+) -> None:
+    failed = _failures(_run(pytester, "broken_moe_renormalize", "extended", "moe"))
+    want = _moe_ids(lambda c: not c.renormalize)
+    assert len(want) >= 3 and set(failed) == want, failed
+    assert all(f"[{case}] relative error" in m and "routed to experts" in m for case, m in failed.items()), failed
+
+
+def test_fused_moe_dropping_an_expert_fails_every_case_that_routes_to_it(
+    pytester: pytest.Pytester, broken_site: Path
+) -> None:
+    failed = _failures(_run(pytester, "broken_moe_drops_expert", "extended", "moe"))
+    want = _moe_ids(_routes_to_last_expert)
+    assert set(failed) == want and _moe_ids() - want, failed  # "idle-experts" and "one-expert" pass
+    assert {c for c in want if "-q4_1" in c or "-q8_0" in c}, want  # quantized cases catch it too
+
+
+def test_fused_moe_reading_x_as_contiguous_fails_the_guarded_cases_on_nan(
+    pytester: pytest.Pytester, broken_site: Path
+) -> None:
+    failed = _failures(_run(pytester, "broken_moe_contiguous", "extended", "moe"))
+    assert set(failed) == _moe_ids(lambda c: c.guarded), failed
+    assert all("NaN/Inf where the fp64 result is finite" in m for m in failed.values()), failed
+
+
+def test_fused_moe_for_an_undeclared_dtype_must_raise(pytester: pytest.Pytester, broken_site: Path) -> None:
+    failed = _failures(_run(pytester, "broken_moe_accepts_anything", "core", "undeclared-moe"))
+    assert set(failed) == {"undeclared-moe-dtype-f64"}, failed
+    assert "returned numbers instead of raising NotSupported" in failed["undeclared-moe-dtype-f64"]

@@ -17,6 +17,9 @@ from plinth.platform.backend import (
     DeviceServices,
     GemmKernels,
     GraphCapture,
+    MoECapabilities,
+    MoEKernels,
+    MoESpec,
     Probe,
     SmallOps,
     StepGraph,
@@ -25,6 +28,7 @@ from plinth.platform.backend import (
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
 from plinth_cpu.gemm import CpuGemm, NativeGemm
 from plinth_cpu.host_memory import huge_page_tensor
+from plinth_cpu.moe import CpuMoE, MoEScratch
 from plinth_cpu.native import QUANT_FORMATS, NativeGraph, NativeKernels, native, native_loaded, native_status
 from plinth_cpu.ops import CpuOps, TorchOps
 
@@ -149,11 +153,12 @@ class CpuBackend(Backend):
 
     name = "cpu"
     version = __version__
-    api_version = (1, 4)  # set_num_threads, read_probes, allocate_kv_cache(prefault=), SmallOps.argmax
+    api_version = (1, 8)  # 1.4: set_num_threads, read_probes, prefault, SmallOps.argmax; 1.8: fused MoE
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:
         self._services = CpuServices()
+        self._moe_scratch = MoEScratch()  # the fused MoE's [T * k, H] work buffers, shared by all layers
 
     @functools.cached_property
     def _caps(self) -> Capabilities:
@@ -170,6 +175,12 @@ class CpuBackend(Backend):
             kv_cache_layout=CPU_KV_LAYOUT,
             # None without AVX2/FMA/F16C or a C compiler: torch kernels only, no native block formats
             quant_formats=frozenset(QUANT_FORMATS) if native() is not None else frozenset(),
+            # grouped over the backend's own GEMM: every GEMM dtype, blocks kept where GEMM keeps them
+            fused_moe=MoECapabilities(
+                dtypes=dtypes,
+                quant_formats=frozenset(QUANT_FORMATS) if native() is not None else frozenset(),
+                activations=frozenset({"silu", "gelu_tanh"}),
+            ),
         )
 
     def probe(self) -> Probe:
@@ -230,6 +241,13 @@ class CpuBackend(Backend):
         self._caps.require_gemm(self.name, dtype)
         kernels = native()
         return CpuGemm(torch_dtype(dtype)) if kernels is None else NativeGemm(torch_dtype(dtype), kernels)
+
+    def moe_kernels(self, spec: MoESpec) -> MoEKernels:
+        """:class:`CpuMoE`: the step's tokens grouped by expert, one GEMM per expert group through
+        :meth:`gemm_kernels` in ``spec.dtype``, its work buffers shared with every other MoE layer's;
+        :class:`NotSupported` for an undeclared ``spec``."""
+        self._caps.require_moe(self.name, spec)
+        return CpuMoE(spec, self.gemm_kernels(spec.dtype), self.small_ops(), self._moe_scratch)
 
     def small_ops(self) -> SmallOps:
         """RMSNorm, SiLU-and-mul, rotary and the sampler's argmax: :class:`CpuOps` (native for fp32)

@@ -28,12 +28,15 @@ from plinth.platform.backend import (
     DeviceServices,
     GemmKernels,
     KVCacheLayout,
+    MoECapabilities,
+    MoEKernels,
+    MoESpec,
     Probe,
     SmallOps,
     torch_dtype,
 )
 from plinth_triton import runtime
-from plinth_triton.ops import InterpreterTarget, KernelTarget, TritonAttention, TritonGemm, TritonSmallOps
+from plinth_triton.ops import InterpreterTarget, KernelTarget, TritonAttention, TritonGemm, TritonMoE, TritonSmallOps
 
 #: Score on a usable GPU: above every CPU backend.
 HARDWARE_SCORE = 100
@@ -135,7 +138,7 @@ class TritonBackend(Backend):
     mode it is in.
     """
 
-    api_version = (1, 1)
+    api_version = (1, 8)  # 1.8: the fused-MoE op
     #: Human name of the platform, for reasons ("CUDA", "ROCm").
     vendor: ClassVar[str]
     #: Collective library for tensor parallelism ("nccl", "rccl"); the core does not use it yet.
@@ -185,6 +188,8 @@ class TritonBackend(Backend):
             # are its own, made by plinth_triton.quant.quantize, not by the core's loader
             quant_formats=frozenset(),
             kv_cache_layout=KVCacheLayout(),
+            # the grouped-GEMM fused MoE (kernels/moe.py): dense experts in every compute dtype
+            fused_moe=MoECapabilities(dtypes=_DTYPES, activations=frozenset({"silu", "gelu_tanh"})),
         )
 
     def device_services(self) -> DeviceServices:
@@ -208,6 +213,11 @@ class TritonBackend(Backend):
         """:class:`TritonGemm` computing in ``dtype``."""
         self.capabilities().require_gemm(self.name, dtype)
         return TritonGemm(torch_dtype(dtype), self.device_services().device, self.target())
+
+    def moe_kernels(self, spec: MoESpec) -> MoEKernels:
+        """:class:`TritonMoE` for ``spec``; :class:`NotSupported` with reasons for an undeclared one."""
+        self.capabilities().require_moe(self.name, spec)
+        return TritonMoE(spec, self.device_services().device, self.target())
 
     def small_ops(self) -> SmallOps:
         """Triton RMSNorm and rotary; torch silu_and_mul."""

@@ -77,6 +77,40 @@ _GEMM_RDNA = (  # gfx11: 32-wide wavefront mode, no MFMA
 # possible (16 rows).
 _GEMM_INTERPRETER = (GemmConfig(16, 8192, 128, group_m=1, num_warps=1, num_stages=1),) * 3
 
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Tiles of the fused-MoE grouped GEMM: ``block_m`` sorted (token, expert) slots per program
+    (each expert's run is padded to it), ``block_n`` / ``block_k`` as the GEMM's."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+# Slot classes by the mean rows per expert (T * k / E): decode-like (<= 16) pads least with 16-row
+# blocks; prefill-sized groups use 64 rows, as vLLM's default fused-MoE configs do. Not measured on
+# hardware yet (scripts/gpu-check.sh does not time MoE): a starting point, like the GEMM table's.
+_MOE_NV = (MoEConfig(16, 64, 64, num_warps=4, num_stages=3), MoEConfig(64, 128, 64, num_warps=4, num_stages=3))
+_MOE_AMD = (
+    MoEConfig(16, 64, 64, num_warps=4, num_stages=2, extra=_AMD),
+    MoEConfig(64, 128, 64, num_warps=4, num_stages=2, extra=_AMD),
+)
+# The interpreter pays per op: wide N/K tiles (clamped to the matrix by gemm_tiles), 16-row blocks.
+_MOE_INTERPRETER = (MoEConfig(16, 8192, 128, num_warps=1, num_stages=1),) * 2
+MOE_TABLE: dict[str, tuple[MoEConfig, MoEConfig]] = {
+    "sm80": _MOE_NV,
+    "sm90": _MOE_NV,
+    "sm100": _MOE_NV,
+    "gfx90a": _MOE_AMD,
+    "gfx942": _MOE_AMD,
+    "gfx1100": _MOE_AMD,
+    "interpreter": _MOE_INTERPRETER,
+}
+
 ATTENTION_TABLE: dict[str, AttentionConfig] = {
     "sm80": AttentionConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2),
     "sm90": AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=2, num_segments=16),
@@ -127,3 +161,10 @@ def gemm_config(arch: str, m: int) -> GemmConfig:
     """GEMM tiles for ``arch`` and ``m`` activation rows (cached per (arch, m))."""
     small, medium, large = GEMM_TABLE[_table_key(arch, GEMM_TABLE)]
     return small if m <= 16 else medium if m <= 64 else large
+
+
+@functools.cache
+def moe_config(arch: str, rows_per_expert: int) -> MoEConfig:
+    """Fused-MoE tiles for ``arch`` when experts get ``rows_per_expert`` slots on average."""
+    small, large = MOE_TABLE[_table_key(arch, MOE_TABLE)]
+    return small if rows_per_expert <= 16 else large

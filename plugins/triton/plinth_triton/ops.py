@@ -17,12 +17,17 @@ from plinth.platform.backend import (
     AttentionKernels,
     AttentionMetadata,
     AttentionSpec,
+    ExpertWeights,
     GemmKernels,
     KVCacheLayout,
     LinearWeight,
+    MoEKernels,
+    MoESpec,
     SmallOps,
+    route_experts,
+    torch_dtype,
 )
-from plinth_triton.configs import AttentionConfig, attention_config, gemm_config
+from plinth_triton.configs import AttentionConfig, attention_config, gemm_config, moe_config
 from plinth_triton.quant import QUANT_CODES
 
 #: Activation dtypes the Triton kernels take; anything else (fp64) goes to the torch defaults.
@@ -215,6 +220,58 @@ class TritonGemm(GemmKernels):
             launch=self.target.launch(cfg.num_warps, cfg.num_stages, cfg.extra),
         )
         return out.view(*lead, weight.out_features)
+
+
+class TritonMoE(MoEKernels):
+    """Fused MoE: routing in torch on the device, then the grouped-GEMM kernels of
+    :mod:`plinth_triton.kernels.moe` over the slots sorted by expert (dense experts only)."""
+
+    def __init__(self, spec: MoESpec, device: torch.device, target: KernelTarget) -> None:
+        super().__init__(spec)
+        self.device = device
+        self.target = target
+        self.dtype = torch_dtype(spec.dtype)
+        self._moe = _kernels("moe")
+
+    def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+        """``gate_up`` [E, 2I, H] and ``down`` [E, H, I] in the compute dtype on the device, contiguous."""
+        s = self.spec
+        want_gate_up = (s.num_experts, 2 * s.intermediate_size, s.hidden_size)
+        want_down = (s.num_experts, s.hidden_size, s.intermediate_size)
+        if tuple(gate_up.shape) != want_gate_up or tuple(down.shape) != want_down:
+            raise ValueError(
+                f"expert weights gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)}; "
+                f"expected {want_gate_up} / {want_down} for {s}"
+            )
+        gu = gate_up.to(device=self.device, dtype=self.dtype).contiguous()
+        dn = down.to(device=self.device, dtype=self.dtype).contiguous()
+        return ExpertWeights(s, gu, dn)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        """``x`` [T, H] (any strides), ``router_logits`` [T, E] -> [T, H] in the compute dtype."""
+        s = self.spec
+        if x.dim() != 2 or x.shape[1] != s.hidden_size:
+            raise ValueError(f"x {tuple(x.shape)}: expected [T, {s.hidden_size}] for {s}")
+        if tuple(router_logits.shape) != (x.shape[0], s.num_experts):
+            raise ValueError(f"router_logits {tuple(router_logits.shape)}: expected [{x.shape[0]}, {s.num_experts}]")
+        if weights.gate_up is None or weights.down is None or weights.spec != s:
+            raise ValueError(f"expert weights prepared for {weights.spec} ({weights.format}), not for {s}")
+        route_w, route_ids = route_experts(router_logits, s.top_k, s.renormalize)  # [T, k] each
+        cfg = moe_config(self.target.arch, x.shape[0] * s.top_k // s.num_experts)
+        h, i = s.hidden_size, s.intermediate_size
+        return self._moe.fused_moe(
+            x.to(self.dtype),
+            route_w,
+            route_ids,
+            weights.gate_up,
+            weights.down,
+            activation=s.activation,
+            block_m=cfg.block_m,
+            tiles_up=self.target.gemm_tiles(cfg.block_n, cfg.block_k, i, h),
+            tiles_down=self.target.gemm_tiles(cfg.block_n, cfg.block_k, h, i),
+            upcast=self.target.upcast,
+            launch=self.target.launch(cfg.num_warps, cfg.num_stages, cfg.extra),
+        )
 
 
 class TritonSmallOps(SmallOps):

@@ -48,7 +48,7 @@ def test_entry_point_and_registration() -> None:
     assert "plinth-triton-kernels>=0.1" in pyproject["project"]["dependencies"]
     assert any(ep.name == "cuda" for ep in entry_points(group="plinth.backends"))
     (cuda,) = plugin.plinth_register_backends()
-    assert isinstance(cuda, CudaBackend) and cuda.communicator == "nccl" and cuda.api_version == (1, 1)
+    assert isinstance(cuda, CudaBackend) and cuda.communicator == "nccl" and cuda.api_version == (1, 8)
 
 
 def test_plugin_import_does_not_import_triton() -> None:
