@@ -301,14 +301,14 @@ class SparseMoE(nn.Module):
         """Hand every expert's gate [I, H], up [I, H] and down [H, I] to the op, kept in their blocks
         where the op takes their (one) format, dense otherwise."""
         parts = [*gate, *up, *down]
-        formats = {p.format for p in parts if isinstance(p, QuantizedWeight)}
-        fmt = formats.pop() if len(formats) == 1 and all(isinstance(p, QuantizedWeight) for p in parts) else None
+        blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
+        formats = {p.format for p in blocks}
         factory = self.kernels.moe or ReferenceMoE
-        if fmt is not None and fmt in self.kernels.moe_quant_formats:
-            spec = dataclasses.replace(self.base_spec, quant_format=fmt)
-            self.op = factory(spec)
-            gate_up_q = [QuantizedWeight.cat([g, u]) for g, u in zip(gate, up, strict=True)]  # type: ignore[list-item]
-            self.experts = self.op.prepare_quantized(gate_up_q, down)  # type: ignore[arg-type]
+        if len(blocks) == len(parts) and len(formats) == 1 and formats <= self.kernels.moe_quant_formats:
+            self.op = factory(dataclasses.replace(self.base_spec, quant_format=formats.pop()))
+            n = len(gate)
+            gate_up_q = [QuantizedWeight.cat([g, u]) for g, u in zip(blocks[:n], blocks[n : 2 * n], strict=True)]
+            self.experts = self.op.prepare_quantized(gate_up_q, blocks[2 * n :])
             return
 
         def dense(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:

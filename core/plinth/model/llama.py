@@ -83,9 +83,9 @@ class DecoderLayer(nn.Module):
             scale=config.attention_scale,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, kernels)
-        self.sandwich = config.sandwich_norms
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, kernels) if self.sandwich else None
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, kernels) if self.sandwich else None
+        sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, kernels) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, kernels) if sandwich else None
         self.mlp: GatedMLP | SparseMoE
         if config.moe is not None and config.layer_is_sparse(layer_idx if global_idx is None else global_idx):
             self.mlp = SparseMoE(config.hidden_size, config.moe, kernels, dtype, config.hidden_act)
@@ -429,7 +429,7 @@ class LlamaForCausalLM(nn.Module):
                 attn.k_norm.load(take_norm(a + "k_norm.weight"))
             m = p + "mlp."
             if isinstance(layer.mlp, SparseMoE):
-                self._assign_moe(layer.mlp, m, w, take_linear)
+                self._assign_moe(layer.mlp, m, w, take_linear, fused)
             else:
                 gate_up = [m + "gate_proj", m + "up_proj"]
                 layer.mlp.gate_up_proj.load(
@@ -459,6 +459,7 @@ class LlamaForCausalLM(nn.Module):
         m: str,
         w: dict[str, torch.Tensor | QuantizedWeight],
         take_linear: Callable[[str], torch.Tensor | QuantizedWeight],
+        fused: Callable[[list[str]], torch.Tensor | QuantizedWeight],
     ) -> None:
         """One sparse layer's router, experts (to the fused-MoE op) and shared expert, from ``w``."""
         block.gate.load(take_linear(m + "gate.weight"))
@@ -469,13 +470,6 @@ class LlamaForCausalLM(nn.Module):
         block.load_experts(gates, ups, downs)
         if block.shared_expert is not None and block.shared_expert_gate is not None:
             s = m + "shared_expert."
-            gate_up = [take_linear(s + "gate_proj.weight"), take_linear(s + "up_proj.weight")]
-            if all(isinstance(t, QuantizedWeight) for t in gate_up) and len({t.format for t in gate_up}) == 1:  # type: ignore[union-attr]
-                fused_gate_up: torch.Tensor | QuantizedWeight = QuantizedWeight.cat(gate_up)  # type: ignore[arg-type]
-            else:
-                fused_gate_up = torch.cat([dequantize(t) if isinstance(t, QuantizedWeight) else t for t in gate_up]).to(
-                    device=self.device, dtype=self.dtype
-                )
-            block.shared_expert.gate_up_proj.load(fused_gate_up)
+            block.shared_expert.gate_up_proj.load(fused([s + "gate_proj.weight", s + "up_proj.weight"]))
             block.shared_expert.down_proj.load(take_linear(s + "down_proj.weight"))
             block.shared_expert_gate.load(take_linear(m + "shared_expert_gate.weight"))

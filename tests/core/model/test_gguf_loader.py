@@ -20,6 +20,7 @@ from plinth.model.gguf_loader import hf_name, unpermute_qk
 from plinth.model.gguf_reader import GGML_TYPES, GGUFFile
 from plinth.model.llama import canonical_name
 from plinth.model.loader import load_config, load_model, load_tokenizer, resolve_model
+from plinth.platform.reference import ReferenceBackend
 
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 128, 250, 1, 64, 33]
 
@@ -364,3 +365,45 @@ def test_default_gguf_logits_match_transformers(default_source: Any) -> None:
     theirs = hf_logits(hf, prompt)
     assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
     assert (ours - theirs).abs().max().item() < 1e-3  # measured: 8e-5 (logits up to ~38)
+
+
+def test_gguf_q8_0_experts_stay_in_their_blocks_on_the_cpu_backend(tmp_path: Path) -> None:
+    """Where the backend's fused-MoE op declares q8_0, a GGUF's Q8_0 experts reach it as blocks
+    (``prepare_quantized``), and the model still computes what the dequantized one does."""
+    from plinth.model.context import ModelKernels
+    from plinth.model.layers import SparseMoE
+    from plinth.platform.kernels import resolve_kernels
+
+    cpu = pytest.importorskip("plinth_cpu").CpuBackend()
+    caps = cpu.capabilities()
+    if caps.fused_moe is None or "q8_0" not in caps.fused_moe.quant_formats:
+        pytest.skip("the cpu backend's native kernels are not loaded here (no q8_0 experts)")
+    config = Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    hf = save_tiny(config, tmp_path / "hf")
+    path = tmp_path / "q8-experts.gguf"
+    write_gguf(path, hf, "qwen3moe", expert_type=gguf.GGMLQuantizationType.Q8_0)
+    ks = resolve_kernels(cpu, [], "float32", strict=True)
+    kernels = ModelKernels(
+        gemm=ks.gemm,
+        ops=ks.ops,
+        attention=ks.attention,
+        quant_formats=caps.quant_formats,
+        moe=ks.moe,
+        moe_quant_formats=caps.fused_moe.quant_formats,
+    )
+    model, _ = load_model(resolve_model(str(path)), kernels, torch.float32, 16, "float32")
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.op is not None and b.op.spec.quant_format == "q8_0" for b in blocks)
+    dense, _ = load_model(resolve_model(str(path)), reference_kernels(), torch.float32, 16, "float32")
+    caches = [cpu.allocate_kv_cache(s, 8) for s in model.attention_specs()]
+    from plinth.model.context import ForwardContext
+    from plinth.platform.backend import AttentionMetadata
+
+    meta = AttentionMetadata.from_lengths([len(PROMPT)], [len(PROMPT)], [[0]], block_size=16)
+    ids, positions = torch.tensor(PROMPT), torch.arange(len(PROMPT))
+    got = model.compute_logits(model(ids, positions, ForwardContext(meta, caches)))
+    ref_caches = [ReferenceBackend().allocate_kv_cache(s, 8) for s in dense.attention_specs()]
+    expected = dense.compute_logits(dense(ids, positions, ForwardContext(meta, ref_caches)))
+    # the same rounded experts, multiplied from their blocks (6e-6 here when written; the cpu's
+    # quantized GEMMs may round activations too, hence not exact)
+    assert (got - expected).abs().max().item() < 1e-3
