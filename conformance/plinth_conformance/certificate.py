@@ -118,6 +118,20 @@ def _caps_dict(caps: Any) -> dict[str, Any]:
         "features": sorted(caps.features),
         "quant_formats": sorted(caps.quant_formats),
         "kv_cache_layout": list(caps.kv_cache_layout.dims),
+        "fused_moe": _moe_dict(getattr(caps, "fused_moe", None)),
+    }
+
+
+def _moe_dict(moe: Any) -> dict[str, Any] | None:
+    """The declared fused-MoE op (plugin API 1.8), or None where the backend supplies none."""
+    if moe is None:
+        return None
+    return {
+        "dtypes": sorted(moe.dtypes),
+        "quant_formats": sorted(moe.quant_formats),
+        "max_experts": moe.max_experts,
+        "max_top_k": moe.max_top_k,
+        "activations": sorted(moe.activations),
     }
 
 

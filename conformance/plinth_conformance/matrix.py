@@ -41,6 +41,15 @@ def _row(cert: dict[str, Any]) -> list[str]:
         verified = f"**{verified}**"
     features = ", ".join(caps.get("features", [])) or "-"
     quant = ", ".join(caps.get("quant_formats", [])) or "-"
+    moe = caps.get("fused_moe")
+    if "fused_moe" not in caps:  # a certificate from before plugin API 1.8 recorded no MoE op
+        moe_cell = "not recorded"
+    elif moe is None:
+        moe_cell = "-"
+    else:
+        moe_cell = ", ".join(_SHORT.get(d, d) for d in moe["dtypes"])
+        if moe["quant_formats"]:
+            moe_cell += "; " + ", ".join(moe["quant_formats"])
     # a certificate from before a tier existed (suite < 1.4: no collectives) shows it as not run
     tiers = " / ".join(_MARK.get(cert["tiers"].get(t, {}).get("status", "not run"), "?") for t in TIERS)
     return [
@@ -52,6 +61,7 @@ def _row(cert: dict[str, Any]) -> list[str]:
         ", ".join(map(str, caps.get("block_sizes", []))),
         features,
         quant,
+        moe_cell,
         tiers,
         f"{verified}: {host['cpu_model']}, torch {host['torch']}",
         f"{cert['suite_version']}, {cert['created'][:10]}",
@@ -73,6 +83,7 @@ def render_matrix(certs: list[dict[str, Any]]) -> str:
         "block sizes",
         "features",
         "quantized GEMM",
+        "fused MoE",
         " / ".join(TIERS),
         "verified on",
         "suite, date",

@@ -170,6 +170,18 @@ def test_matrix_marks_emulation_and_failures() -> None:
     assert "**emulation**" in page and "pass / **FAIL** /" in page
 
 
+def test_matrix_shows_the_fused_moe_op_as_certified() -> None:
+    cert = json.loads((REPO / "docs/certificates/cpu.json").read_text())
+    moe = cert["capabilities"]["fused_moe"]
+    assert moe is not None and "q8_0" in moe["quant_formats"]  # what the cpu backend declares
+    row = next(line for line in render_matrix([cert]).splitlines() if line.startswith("| cpu "))
+    assert "| bf16, fp16, fp32, fp64; q4_1, q8_0 |" in row
+    cert["capabilities"]["fused_moe"] = None
+    assert "| - |" in render_matrix([cert])
+    del cert["capabilities"]["fused_moe"]  # a certificate from before plugin API 1.8
+    assert "| not recorded |" in render_matrix([cert])
+
+
 def test_every_declared_value_and_path_class_is_generated() -> None:
     """Issue 17's rule: each declared value at least once (a KV dtype that is no compute dtype, every
     head size of a wide declaration), GQA groups above 8, odd KV-head counts, the long paths."""

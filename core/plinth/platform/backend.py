@@ -516,6 +516,29 @@ class MoEKernels(ABC):
     def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
         """Lay out dense experts once, at load time: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]."""
 
+    def check_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming both shapes unless ``gate_up`` is [E, 2I, H] and ``down``
+        [E, H, I] for :attr:`spec` (what :meth:`prepare` receives)."""
+        s = self.spec
+        want_gate_up = (s.num_experts, 2 * s.intermediate_size, s.hidden_size)
+        want_down = (s.num_experts, s.hidden_size, s.intermediate_size)
+        if tuple(gate_up.shape) != want_gate_up or tuple(down.shape) != want_down:
+            raise ValueError(
+                f"expert weights gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)}; "
+                f"expected {want_gate_up} / {want_down} for {s}"
+            )
+
+    def check_call(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> None:
+        """Raise ``ValueError`` naming what is wrong unless ``x`` is [T, H], ``router_logits``
+        [T, E] and ``weights`` were prepared for :attr:`spec` (what :meth:`forward` receives)."""
+        s = self.spec
+        if x.dim() != 2 or x.shape[1] != s.hidden_size:
+            raise ValueError(f"x {tuple(x.shape)}: expected [T, {s.hidden_size}] for {s}")
+        if tuple(router_logits.shape) != (x.shape[0], s.num_experts):
+            raise ValueError(f"router_logits {tuple(router_logits.shape)}: expected [{x.shape[0]}, {s.num_experts}]")
+        if weights.spec != s:
+            raise ValueError(f"expert weights prepared for {weights.spec} ({weights.format}), not for {s}")
+
     def prepare_quantized(self, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> ExpertWeights:
         """Prepare experts kept in ``spec.quant_format``: one ``[2I, H]`` and one ``[H, I]`` weight per expert.
 

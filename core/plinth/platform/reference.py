@@ -163,17 +163,12 @@ class ReferenceMoE(MoEKernels):
     """
 
     def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
-        s = self.spec
-        want_gate_up = (s.num_experts, 2 * s.intermediate_size, s.hidden_size)
-        want_down = (s.num_experts, s.hidden_size, s.intermediate_size)
-        if tuple(gate_up.shape) != want_gate_up or tuple(down.shape) != want_down:
-            raise ValueError(
-                f"expert weights {tuple(gate_up.shape)} / {tuple(down.shape)}; expected {want_gate_up} / {want_down}"
-            )
-        dtype = torch_dtype(s.dtype)
-        return ExpertWeights(s, gate_up.to(dtype).contiguous(), down.to(dtype).contiguous())
+        self.check_experts(gate_up, down)
+        dtype = torch_dtype(self.spec.dtype)
+        return ExpertWeights(self.spec, gate_up.to(dtype).contiguous(), down.to(dtype).contiguous())
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        self.check_call(x, router_logits, weights)
         assert weights.gate_up is not None and weights.down is not None
         s = self.spec
         route_w, route_ids = route_experts(router_logits, s.top_k, s.renormalize)

@@ -31,16 +31,6 @@ from plinth.platform.backend import (
 from plinth.platform.quant import QuantizedWeight
 
 
-def _check_dense(spec: MoESpec, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-    want_gate_up = (spec.num_experts, 2 * spec.intermediate_size, spec.hidden_size)
-    want_down = (spec.num_experts, spec.hidden_size, spec.intermediate_size)
-    if tuple(gate_up.shape) != want_gate_up or tuple(down.shape) != want_down:
-        raise ValueError(
-            f"expert weights gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)}; "
-            f"expected {want_gate_up} / {want_down} for {spec}"
-        )
-
-
 def _check_quantized(spec: MoESpec, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> None:
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     if len(gate_up) != e or len(down) != e:
@@ -81,7 +71,7 @@ class CpuMoE(MoEKernels):
     def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
         """Each expert's ``[2I, H]`` and ``[H, I]`` prepared by the GEMM (fp32: panels, and the dense
         stacks are dropped; other dtypes keep the stacks, the per-expert weights are views of them)."""
-        _check_dense(self.spec, gate_up, down)
+        self.check_experts(gate_up, down)
         first = self.gemm.prepare(gate_up[0], None)
         if first.format == "dense" and first.weight is not None:  # kept [N, K]: one stack, views per expert
             dtype = first.weight.dtype
@@ -112,12 +102,7 @@ class CpuMoE(MoEKernels):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
         """``x`` [T, H], ``router_logits`` [T, E] -> [T, H] in ``x``'s dtype."""
         s = self.spec
-        if x.dim() != 2 or x.shape[1] != s.hidden_size:
-            raise ValueError(f"x {tuple(x.shape)}: expected [T, {s.hidden_size}] for {s}")
-        if tuple(router_logits.shape) != (x.shape[0], s.num_experts):
-            raise ValueError(f"router_logits {tuple(router_logits.shape)}: expected [{x.shape[0]}, {s.num_experts}]")
-        if weights.spec != s:
-            raise ValueError(f"expert weights prepared for {weights.spec}, not {s}")
+        self.check_call(x, router_logits, weights)
         t, k = x.shape[0], s.top_k
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         route_w, route_ids = route_experts(router_logits, k, s.renormalize)  # [T, k] fp32, [T, k] int64

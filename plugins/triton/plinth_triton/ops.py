@@ -236,13 +236,7 @@ class TritonMoE(MoEKernels):
     def prepare(self, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
         """``gate_up`` [E, 2I, H] and ``down`` [E, H, I] in the compute dtype on the device, contiguous."""
         s = self.spec
-        want_gate_up = (s.num_experts, 2 * s.intermediate_size, s.hidden_size)
-        want_down = (s.num_experts, s.hidden_size, s.intermediate_size)
-        if tuple(gate_up.shape) != want_gate_up or tuple(down.shape) != want_down:
-            raise ValueError(
-                f"expert weights gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)}; "
-                f"expected {want_gate_up} / {want_down} for {s}"
-            )
+        self.check_experts(gate_up, down)
         gu = gate_up.to(device=self.device, dtype=self.dtype).contiguous()
         dn = down.to(device=self.device, dtype=self.dtype).contiguous()
         return ExpertWeights(s, gu, dn)
@@ -250,12 +244,9 @@ class TritonMoE(MoEKernels):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
         """``x`` [T, H] (any strides), ``router_logits`` [T, E] -> [T, H] in the compute dtype."""
         s = self.spec
-        if x.dim() != 2 or x.shape[1] != s.hidden_size:
-            raise ValueError(f"x {tuple(x.shape)}: expected [T, {s.hidden_size}] for {s}")
-        if tuple(router_logits.shape) != (x.shape[0], s.num_experts):
-            raise ValueError(f"router_logits {tuple(router_logits.shape)}: expected [{x.shape[0]}, {s.num_experts}]")
-        if weights.gate_up is None or weights.down is None or weights.spec != s:
-            raise ValueError(f"expert weights prepared for {weights.spec} ({weights.format}), not for {s}")
+        self.check_call(x, router_logits, weights)
+        if weights.gate_up is None or weights.down is None:
+            raise ValueError(f"expert weights in {weights.format}: this op multiplies dense experts only ({s})")
         route_w, route_ids = route_experts(router_logits, s.top_k, s.renormalize)  # [T, k] each
         cfg = moe_config(self.target.arch, x.shape[0] * s.top_k // s.num_experts)
         h, i = s.hidden_size, s.intermediate_size
