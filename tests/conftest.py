@@ -28,15 +28,14 @@ def hf_smollm2(default_gguf: Path) -> Any:
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    """Hugging Face transformers' fp32 greedy continuation of ``n`` tokens (its KV-cached ``generate``,
-    never stopping early: every kind of tiny model reaches EOS by chance)."""
+    """Hugging Face transformers' fp32 greedy continuation of ``n`` tokens, one token at a time on its
+    KV cache. An end-of-sequence token is taken like any other argmax and decoding goes on, as plinth's
+    ``ignore_eos`` does (``generate`` would stop there, and ``min_new_tokens`` would mask EOS out)."""
+    tokens: list[int] = []
     with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([list(prompt)]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
+        out = hf_model(torch.tensor([list(prompt)]), use_cache=True)
+        for i in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if i + 1 < n:
+                out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens

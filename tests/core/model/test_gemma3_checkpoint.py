@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import hf_greedy
 from gemma3_asset import Gemma3Missing, gemma3_gguf
 
 from plinth import LLM, SamplingParams
@@ -44,18 +45,6 @@ def hf_gemma(gemma_path: Path) -> Any:
     return model
 
 
-def _hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 def test_gemma3_270m_greedy_tokens_equal_transformers(gemma_path: Path, hf_gemma: Any) -> None:
     """On the cpu backend, batched (the reference backend agreed too, 32 of 32 on each prompt, when
     this was written: left out here for its 100 s on the 262k-token vocabulary)."""
@@ -67,7 +56,7 @@ def test_gemma3_270m_greedy_tokens_equal_transformers(gemma_path: Path, hf_gemma
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, greedy)  # batched, as a server would run them
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(hf_gemma, prompt), tok.decode(prompt)
+        assert out.outputs[0].token_ids == hf_greedy(hf_gemma, prompt, NEW_TOKENS), tok.decode(prompt)
 
 
 def test_gemma3_270m_quantized_cpu_writes_coherent_text(gemma_path: Path) -> None:
