@@ -105,6 +105,10 @@ class _Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: nothing but exec
             os.environ["TERM"] = "dumb"  # readline without escape sequences
+            # as a shell starts a foreground job: SIGINT at its default, whatever this test process
+            # inherited or set (an ignored SIGINT survives exec, and Python then never raises
+            # KeyboardInterrupt: Ctrl-C at the prompt did nothing in a full run)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, *argv])
         self.seen = ""  # what no expect() has consumed yet
         self.transcript = ""  # everything
