@@ -27,6 +27,7 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,22 +66,10 @@ def save_model(folder: Path, experts: int, top_k: int, hidden: int, width: int, 
 
 
 def per_token_forward(op: Any) -> Any:
-    """``op.forward`` as a per-token loop over the same prepared weights and GEMM."""
-    from plinth.platform.backend import route_experts
+    """``op.forward`` as ``benchmarks/moe.py``'s per-token loop over the same prepared weights and GEMM."""
+    from moe import per_token_loop  # benchmarks/ is on sys.path when this script runs
 
-    def forward(x: torch.Tensor, router_logits: torch.Tensor, weights: Any) -> torch.Tensor:
-        s = op.spec
-        route_w, ids = route_experts(router_logits, s.top_k, s.renormalize)
-        gate_up, down = weights.data["gate_up"], weights.data["down"]
-        out = torch.zeros(x.shape[0], s.hidden_size, dtype=x.dtype)
-        for t, (row_w, row_ids) in enumerate(zip(route_w.tolist(), ids.tolist(), strict=True)):
-            xt = x[t : t + 1]
-            for w, e in zip(row_w, row_ids, strict=True):
-                h = op.gemm.linear(xt, gate_up[e])
-                out[t] += w * op.gemm.linear(op._activation(h), down[e])[0]
-        return out
-
-    return forward
+    return partial(per_token_loop, op)
 
 
 def decode_tok_s(llm: Any, batch: int, steps: int) -> float:

@@ -53,3 +53,13 @@ def gemma3_gguf() -> Path:
     finally:
         partial.unlink(missing_ok=True)
     return target
+
+
+def gemma3_gguf_or_skip() -> Path:
+    """:func:`gemma3_gguf`, or skip the calling test (fixture) when the packages are not installed."""
+    import pytest
+
+    try:
+        return gemma3_gguf()
+    except Gemma3Missing as e:
+        pytest.skip(str(e))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import hf_greedy
-from gemma3_asset import Gemma3Missing, gemma3_gguf
+from gemma3_asset import gemma3_gguf_or_skip
 
 from plinth import LLM, SamplingParams
 
@@ -28,10 +28,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France? Answer in on
 
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    try:
-        return gemma3_gguf()
-    except Gemma3Missing as e:
-        pytest.skip(str(e))
+    return gemma3_gguf_or_skip()
 
 
 @pytest.fixture(scope="module")

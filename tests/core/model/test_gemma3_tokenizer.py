@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gemma3_asset import Gemma3Missing, gemma3_gguf
+from gemma3_asset import gemma3_gguf, gemma3_gguf_or_skip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
@@ -76,10 +76,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    try:
-        return gemma3_gguf()
-    except Gemma3Missing as e:
-        pytest.skip(str(e))
+    return gemma3_gguf_or_skip()
 
 
 @pytest.fixture(scope="module")
