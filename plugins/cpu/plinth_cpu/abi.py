@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -68,6 +68,7 @@ class CFunction:
 #: The library's exported functions (csrc/kernels.c), in the order they are defined there.
 FUNCTIONS: dict[str, CFunction] = {
     "plinth_abi_version": CFunction("int", "void"),
+    "plinth_isa": CFunction("int", "void"),  # 2: built for AVX2/FMA/F16C, 3: for AVX-512 (F/BW/VL/DQ/VNNI)
     "plinth_set_num_threads": CFunction("void", "int n"),
     "plinth_get_num_threads": CFunction("int", "void"),
     "plinth_read_probe": CFunction("void", "const float *x, float *out, int64_t n"),

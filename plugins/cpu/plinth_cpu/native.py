@@ -6,9 +6,11 @@ under ``$PLINTH_CACHE_DIR`` (default ``~/.cache/plinth``), keyed by a hash of th
 flags and the compiler, so only the first start on a machine pays for it; ``make install`` builds
 it ahead (``python -m plinth_cpu.native``).
 
-The kernels need x86-64 with AVX2, FMA and F16C. Elsewhere, or without a compiler, or with
-``PLINTH_CPU_NATIVE=0``, :func:`native` returns ``None`` and the backend runs its torch kernels;
-:func:`native_status` says why.
+The kernels need x86-64 with AVX2, FMA and F16C. The same source is built once per ISA variant
+(:data:`VARIANTS`: AVX-512 with VNNI, and AVX2) and the best one the CPU runs is loaded
+(``PLINTH_CPU_ISA=avx2`` forces the AVX2 build on an AVX-512 host, so one machine tests both).
+Elsewhere, or without a compiler, or with ``PLINTH_CPU_NATIVE=0``, :func:`native` returns ``None``
+and the backend runs its torch kernels; :func:`native_status` says why.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from ctypes import c_float
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -31,8 +34,38 @@ from plinth_cpu.abi import ABI_VERSION, FUNCTIONS, GRAPH_OPS, HEADER, RecordedOp
 from plinth_cpu.host_memory import huge_page_tensor
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
+#: Compiler flags of every build; each :class:`IsaVariant` adds its own ``-m`` flags.
+FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
+#: What every build needs of the CPU (the AVX2 variant's flags).
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+#: ``auto`` (default: the best variant the CPU runs) or a variant's name, forced.
+ISA_ENV = "PLINTH_CPU_ISA"
+
+
+@dataclass(frozen=True, slots=True)
+class IsaVariant:
+    """One build of the library: its compiler flags and what it needs of the CPU.
+
+    ``level`` is what the built library's ``plinth_isa()`` returns, so a library loaded from the
+    cache is checked to be the build it claims to be."""
+
+    name: str
+    label: str
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    level: int
+
+
+AVX2 = IsaVariant("avx2", "AVX2/FMA", ("-mavx2", "-mfma", "-mf16c"), REQUIRED_CPU_FLAGS, 2)
+AVX512 = IsaVariant(
+    "avx512",
+    "AVX-512 (F/BW/VL/DQ/VNNI)",
+    (*AVX2.flags, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+    REQUIRED_CPU_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+    3,
+)
+#: The builds, best first: the first whose ``cpu_flags`` the CPU has is loaded.
+VARIANTS: tuple[IsaVariant, ...] = (AVX512, AVX2)
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
@@ -134,22 +167,24 @@ def _cpu_flags() -> set[str] | None:
     return set()
 
 
-def library_path(compiler: str) -> Path:
-    """The cached library's path for this source, these flags and ``compiler``."""
+def library_path(compiler: str, variant: IsaVariant = AVX2) -> Path:
+    """The cached library's path for this source, ``variant``'s flags and ``compiler``."""
     sources = SOURCE.read_bytes() + HEADER.read_bytes()
-    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    return cache_dir() / "cpu-kernels" / key / "libplinth_cpu.so"
+    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS, *variant.flags)).encode()).hexdigest()[:16]
+    return cache_dir() / "cpu-kernels" / key / f"libplinth_cpu_{variant.name}.so"
 
 
-def build(compiler: str) -> Path:
-    """Compile the library into the cache (atomically) unless it is there; return its path."""
-    target = library_path(compiler)
+def build(compiler: str, variant: IsaVariant = AVX2) -> Path:
+    """Compile ``variant`` into the cache (atomically) unless it is there; return its path.
+
+    Compiling needs only a compiler that knows the ISA, not a CPU that runs it."""
+    target = library_path(compiler, variant)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [compiler, *FLAGS, *variant.flags, str(SOURCE), "-o", tmp, "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -161,8 +196,9 @@ def build(compiler: str) -> Path:
 class NativeKernels:
     """The loaded library, with tensor-level wrappers (fp32, contiguous, on the CPU)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, variant: IsaVariant = AVX2) -> None:
         self.path = path
+        self.variant = variant
         lib = ctypes.CDLL(str(path))
         for name, signature in FUNCTIONS.items():
             fn = getattr(lib, name)
@@ -170,6 +206,8 @@ class NativeKernels:
             fn.argtypes = signature.argtypes()
         if lib.plinth_abi_version() != ABI_VERSION:
             raise NativeBuildError(f"{path}: ABI {lib.plinth_abi_version()}, expected {ABI_VERSION}")
+        if lib.plinth_isa() != variant.level:
+            raise NativeBuildError(f"{path}: built for ISA level {lib.plinth_isa()}, expected {variant.name}'s")
         self.lib = lib
         self._lib = lib  # the library itself while self.lib records
         self._calls: list[tuple[str, tuple[object, ...]]] = []
@@ -399,21 +437,62 @@ def build_check() -> tuple[str | None, str]:
     return compiler, ""
 
 
+def runnable_variants(flags: set[str] | None = None) -> list[IsaVariant]:
+    """The variants this CPU runs (``flags``: its /proc/cpuinfo flags), best first."""
+    flags = _cpu_flags() if flags is None else flags
+    return [v for v in VARIANTS if flags is not None and v.cpu_flags <= flags]
+
+
+def choose_variant(flags: set[str] | None = None) -> tuple[IsaVariant, str]:
+    """The variant to load on a CPU with ``flags``, and why; :data:`ISA_ENV` can force one.
+
+    Raises ValueError for an unknown :data:`ISA_ENV` value or a forced variant the CPU cannot run
+    (its instructions would kill the process). Call where :func:`build_check` found a compiler."""
+    flags = _cpu_flags() if flags is None else flags
+    have = flags or set()
+    wanted = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    names = {v.name: v for v in VARIANTS}
+    if wanted != "auto":
+        if wanted not in names:
+            raise ValueError(f"{ISA_ENV}={wanted!r}: expected auto or one of {', '.join(names)}")
+        variant = names[wanted]
+        if missing := variant.cpu_flags - have:
+            raise ValueError(f"{ISA_ENV}={wanted}: this CPU lacks {', '.join(sorted(missing))}")
+        return variant, f"forced by {ISA_ENV}={wanted}"
+    best = runnable_variants(have)[0]
+    skipped = [v for v in VARIANTS[: VARIANTS.index(best)]]
+    if not skipped:
+        extra = sorted(best.cpu_flags - AVX2.cpu_flags)
+        return best, f"this CPU has {', '.join(extra)}" if extra else "the best build for this CPU"
+    lacks = "; ".join(f"{v.name} needs {', '.join(sorted(v.cpu_flags - have))}" for v in skipped)
+    return best, f"this CPU lacks what the better builds need ({lacks})"
+
+
 @cache
 def _load() -> tuple[NativeKernels | None, str]:
     compiler, why_not = build_check()
     if compiler is None:
         return None, why_not
+    variant, why = choose_variant()
     try:
-        return NativeKernels(build(compiler)), f"native kernels: AVX2/FMA ({compiler})"
+        kernels = NativeKernels(build(compiler, variant), variant)
     except (NativeBuildError, OSError) as e:
-        return None, f"native kernels failed to build or load: {e}"
+        if variant is AVX2 or os.environ.get(ISA_ENV, "auto").strip().lower() not in ("", "auto"):
+            return None, f"native kernels failed to build or load: {e}"
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        try:  # an older compiler without the ISA: the AVX2 build still runs
+            kernels = NativeKernels(build(compiler, AVX2), AVX2)
+        except (NativeBuildError, OSError) as e2:
+            return None, f"native kernels failed to build or load: {e2}"
+        return kernels, f"native kernels: {AVX2.label} ({compiler}): the {variant.name} build failed ({first})"
+    return kernels, f"native kernels: {variant.label} ({compiler}): {why}"
 
 
 def native() -> NativeKernels | None:
     """The loaded kernels, compiled on first use where the cache has none (about a second; ``make
     install`` builds ahead); ``None`` where they cannot run here. Called when a kernel is first
-    asked for, never while plugins are discovered or probed."""
+    asked for, never while plugins are discovered or probed. Raises ValueError when
+    :data:`ISA_ENV` names a build this CPU cannot run."""
     return _load()[0]
 
 
@@ -423,23 +502,49 @@ def native_loaded() -> bool:
 
 
 def native_status() -> str:
-    """One line: which native kernels run, or why none do. Compiles and loads nothing: before the
-    kernels are first asked for it says whether the library is built (cached on disk) or will be."""
+    """One line: which native kernels run, or why none do. Compiles and loads nothing (and never
+    raises): before the kernels are first asked for it says which build would load and whether it
+    is built (cached on disk) or will be."""
     if native_loaded():
         return _load()[1]
     compiler, why_not = build_check()
     if compiler is None:
         return why_not
-    path = library_path(compiler)
+    try:
+        variant, why = choose_variant()
+    except ValueError as e:
+        return f"native kernels refused: {e}"
+    path = library_path(compiler, variant)
     if path.exists():
-        return f"native kernels: AVX2/FMA ({compiler}), built ({path}), loaded on first kernel request"
+        return f"native kernels: {variant.label} ({compiler}): {why}; built ({path}), loaded on first kernel request"
     return (
-        f"native kernels: AVX2/FMA ({compiler}), not built yet: compiled on first kernel request "
+        f"native kernels: {variant.label} ({compiler}): {why}; not built yet: compiled on first kernel request "
         "(python -m plinth_cpu.native builds ahead)"
     )
 
 
+def build_all() -> list[str]:
+    """Build every variant the compiler supports (whatever this CPU runs: a cache built here also
+    serves other hosts' kinds); one line per variant, built or why not."""
+    compiler, why_not = build_check()
+    if compiler is None:
+        return [why_not]
+    lines = []
+    for variant in VARIANTS:
+        try:
+            lines.append(f"{variant.name}: {build(compiler, variant)}")
+        except NativeBuildError as e:
+            lines.append(f"{variant.name}: not built, the compiler lacks it ({str(e).strip().splitlines()[-1]})")
+    return lines
+
+
 if __name__ == "__main__":  # `python -m plinth_cpu.native`: build ahead (make install does this)
-    kernels = native()
+    for line in build_all():
+        print(line)
+    try:
+        kernels = native()
+    except ValueError as e:  # a bad PLINTH_CPU_ISA: every build is there, none is loaded here
+        print(f"native kernels refused: {e}")
+        sys.exit(1)
     print(native_status() + (f" -> {kernels.path}" if kernels else ""))
     sys.exit(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import shutil
 
@@ -29,17 +30,35 @@ def test_native_kernels_load_where_they_can() -> None:
         assert native() is None and "native kernels" in native_status()
         pytest.skip(native_status())
     assert native() is not None, native_status()
-    assert native_status().startswith("native kernels: AVX2")
+    variant = native_mod.choose_variant()[0]
+    assert native_status().startswith(f"native kernels: {variant.label}")
+    kernels = native()
+    assert kernels is not None and kernels.variant is variant and kernels.lib.plinth_isa() == variant.level
 
 
 needs_native = pytest.mark.skipif(native() is None, reason=native_status())
 
+#: Every build this CPU runs (best first): the kernel tests run on each, named in their ids.
+RUNNABLE = [v.name for v in native_mod.runnable_variants()] if native() is not None else ["none"]
 
-@pytest.fixture
-def nk() -> NativeKernels:
-    kernels = native()
-    assert kernels is not None
-    return kernels
+
+@functools.cache
+def _kernels(variant: str) -> NativeKernels:
+    """The process-wide kernels where ``variant`` is the loaded build, else that build loaded beside it."""
+    loaded = native()
+    assert loaded is not None
+    if loaded.variant.name == variant:
+        return loaded
+    compiler = native_mod.build_check()[0]
+    assert compiler is not None
+    chosen = next(v for v in native_mod.VARIANTS if v.name == variant)
+    return NativeKernels(native_mod.build(compiler, chosen), chosen)
+
+
+@pytest.fixture(params=RUNNABLE)
+def nk(request: pytest.FixtureRequest) -> NativeKernels:
+    """The kernels of each ISA build this CPU runs (AVX-512 and AVX2 on an AVX-512 host)."""
+    return _kernels(request.param)
 
 
 @pytest.fixture
@@ -133,12 +152,13 @@ def test_pack_f32_layout(nk: NativeKernels, threads: int) -> None:
 @pytest.mark.parametrize("activations", ["fp32", "int16", "int8"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3, DEQUANT_ROWS_MAX_ROWS + 5])
-def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, activations: str) -> None:
+@pytest.mark.parametrize("k", [96, 128])  # 3 and 4 blocks a row: the AVX-512 build's pair loop and its odd block
+def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: int, activations: str) -> None:
     """fp32 activations: the dequantized weight's product. int16/int8 activations (int16 on the
     few-row path only): within the rounding bound. On both paths (few rows: per-block kernel;
     many: dequantized rows), and a row's result does not depend on the batch size beyond that."""
     gen = torch.Generator().manual_seed(7)
-    n, k = 40, 128
+    n = 40
     qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
     w = dequantize(qw)
     b = torch.randn(n, generator=gen)
@@ -361,8 +381,8 @@ def test_pool_survives_many_alternating_calls(nk: NativeKernels) -> None:
         torch.testing.assert_close(nk.gemm_f32(x, ws[i % 3], None), expected[i % 3], rtol=1e-5, atol=1e-5)
 
 
-def _gemm_in_child(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    kernels = native()
+def _gemm_in_child(variant: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    kernels = _kernels(variant)  # the parent's object, its pool started before the fork
     assert kernels is not None and kernels.num_threads() == 2
     return kernels.gemm_f32(x, w, None)
 
@@ -377,7 +397,7 @@ def test_pool_works_in_a_forked_child(nk: NativeKernels) -> None:
     nk.gemm_f32(x, w, None)  # workers started in the parent
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
-        got = pool.apply(_gemm_in_child, (x, w))
+        got = pool.apply(_gemm_in_child, (nk.variant.name, x, w))
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
@@ -551,3 +571,70 @@ def test_replay_names_a_call_the_library_does_not_know(nk: NativeKernels, monkey
         graph.replay()
     torch.testing.assert_close(out, SmallOps().silu_and_mul(x))
     assert y.eq(0).all()
+
+
+# -- ISA builds --------------------------------------------------------------------------------------
+
+_AVX512_HOST = set(native_mod.AVX512.cpu_flags)
+_AVX2_HOST = set(native_mod.AVX2.cpu_flags) | {"sse4_2", "avx512f"}  # some AVX-512, not what the build needs
+
+
+def test_the_best_build_the_cpu_runs_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native_mod.ISA_ENV, raising=False)
+    variant, why = native_mod.choose_variant(_AVX512_HOST)
+    assert variant is native_mod.AVX512 and "avx512_vnni" in why
+    variant, why = native_mod.choose_variant(_AVX2_HOST)
+    assert variant is native_mod.AVX2
+    assert "avx512 needs" in why and "avx512_vnni" in why and "avx512f," not in why  # names what is missing
+    assert native_mod.runnable_variants(_AVX2_HOST) == [native_mod.AVX2]
+
+
+def test_the_environment_forces_a_build_the_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_mod.ISA_ENV, "avx2")
+    assert native_mod.choose_variant(_AVX512_HOST) == (native_mod.AVX2, "forced by PLINTH_CPU_ISA=avx2")
+    monkeypatch.setenv(native_mod.ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match=r"PLINTH_CPU_ISA=avx512: this CPU lacks avx512_vnni, avx512bw"):
+        native_mod.choose_variant(_AVX2_HOST)
+    monkeypatch.setenv(native_mod.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match=r"PLINTH_CPU_ISA='sse2': expected auto or one of avx512, avx2"):
+        native_mod.choose_variant(_AVX512_HOST)
+
+
+def test_status_names_a_refused_build_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe reads the status: a bad PLINTH_CPU_ISA is reported there, not raised (the kernel
+    request raises it)."""
+    if native_mod.build_check()[0] is None:
+        pytest.skip(native_mod.build_check()[1])
+    monkeypatch.setattr(native_mod, "native_loaded", lambda: False)
+    monkeypatch.setenv(native_mod.ISA_ENV, "sse2")
+    assert native_status().startswith("native kernels refused: PLINTH_CPU_ISA='sse2'")
+
+
+@needs_native
+def test_a_library_built_for_another_isa_is_refused() -> None:
+    """A cached file is loaded only as the build it is (``plinth_isa``), never as another."""
+    loaded = native()
+    assert loaded is not None
+    other = next(v for v in native_mod.VARIANTS if v is not loaded.variant)
+    with pytest.raises(native_mod.NativeBuildError, match="built for ISA level"):
+        NativeKernels(loaded.path, other)
+
+
+@needs_native
+def test_forced_avx2_build_loads_and_says_so() -> None:
+    """``PLINTH_CPU_ISA=avx2`` in a fresh process loads the AVX2 build (on an AVX-512 host too) and
+    the backend's probe says it was forced."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from plinth_cpu.native import native, native_status; k = native(); "
+        "print(k.variant.name, k.lib.plinth_isa()); print(native_status())"
+    )
+    env = {**os.environ, native_mod.ISA_ENV: "avx2"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    first, status = proc.stdout.strip().splitlines()[-2:]
+    assert first == "avx2 2"
+    assert status.startswith("native kernels: AVX2/FMA") and "forced by PLINTH_CPU_ISA=avx2" in status

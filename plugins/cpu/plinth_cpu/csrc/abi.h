@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 8
+#define PLINTH_ABI_VERSION 9
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -14,6 +14,7 @@ typedef struct {
 
 /* The exported functions: a definition in kernels.c that disagrees does not compile. */
 int plinth_abi_version(void);
+int plinth_isa(void);
 void plinth_set_num_threads(int n);
 int plinth_get_num_threads(void);
 void plinth_read_probe(const float *x, float *out, int64_t n);
