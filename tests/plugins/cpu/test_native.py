@@ -638,3 +638,24 @@ def test_forced_avx2_build_loads_and_says_so() -> None:
     first, status = proc.stdout.strip().splitlines()[-2:]
     assert first == "avx2 2"
     assert status.startswith("native kernels: AVX2/FMA") and "forced by PLINTH_CPU_ISA=avx2" in status
+
+
+@needs_native
+@pytest.mark.skipif(len(RUNNABLE) < 2, reason=f"this CPU runs one build only ({RUNNABLE[0]})")
+@pytest.mark.parametrize("m", [1, 7, 101, 230])  # few-row tiles and the blocked (prefill) path
+def test_builds_agree_on_fp32_panels(m: int) -> None:
+    """From 96 rows (prefill) each output is the same FMA chain over k in every build: the AVX-512
+    tile changes which registers hold which columns, not the arithmetic, so the builds agree bit for
+    bit. Below, the AVX-512 tiles sum even and odd k apart (fp32 rounding apart)."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 200, 776  # a last panel group of 1 panel, K in two blocks of the prefill path
+    w, x, b = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    ys = []
+    for name in RUNNABLE:
+        lib = _kernels(name)
+        ys.append(lib.gemm_f32_panels(x, lib.pack_f32(w), b, n))
+    for y in ys[1:]:
+        if m >= 96:
+            assert torch.equal(y, ys[0])
+        torch.testing.assert_close(y, ys[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ys[0], F.linear(x, w, b), rtol=1e-4, atol=1e-4)

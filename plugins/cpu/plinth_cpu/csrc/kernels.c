@@ -494,6 +494,46 @@ static inline void store8(float *y, __m256 v, int acc, const float *bias, int64_
     for (int64_t j = 0; j < N - n0; j++) y[j] = r[j] + (acc ? y[j] : 0.0f) + (bias ? bias[n0 + j] : 0.0f);
 }
 
+#if PLINTH_AVX512
+/* The AVX-512 build: one register holds two k of a panel (16 consecutive floats), multiplied by
+ * [x[k] x 8 | x[k + 1] x 8] (an 8-byte load and a permute); a tile's 12 registers then sum even k in
+ * their low and odd k in their high halves, added when stored: half the FMAs and loads of the AVX2
+ * tile per k. */
+static inline __m512 pair_halves(const float *x) {
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)x))));
+}
+static inline __m256 fold_halves(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+#define PROW(i)                                                                                                \
+    if (r > i) {                                                                                               \
+        __m512 a = pair_halves(x##i + k);                                                                      \
+        c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0), c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);                  \
+        c##i##2 = _mm512_fmadd_ps(a, b2, c##i##2);                                                             \
+    }
+#define POUT(i)                                                                                                \
+    if (r > i) {                                                                                               \
+        store8(y + i * N + col[0], fold_halves(c##i##0), acc, bias, col[0], N);                                \
+        store8(y + i * N + col[1], fold_halves(c##i##1), acc, bias, col[1], N);                                \
+        store8(y + i * N + col[2], fold_halves(c##i##2), acc, bias, col[2], N);                                \
+    }
+static inline __attribute__((always_inline)) void panel_tile(int r, const float *x, int64_t K, const float *const P[3],
+                                                             int64_t kc, float *y, int64_t N, const int64_t col[3],
+                                                             int acc, const float *bias) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *p0 = P[0], *p1 = P[1], *p2 = P[2];
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+    __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+    (void)x1, (void)x2, (void)x3;
+    for (int64_t k = 0; k < kc; k += 2) { /* kc is a multiple of 8 */
+        __m512 b0 = _mm512_loadu_ps(p0 + 8 * k), b1 = _mm512_loadu_ps(p1 + 8 * k), b2 = _mm512_loadu_ps(p2 + 8 * k);
+        PROW(0) PROW(1) PROW(2) PROW(3)
+    }
+    POUT(0) POUT(1) POUT(2) POUT(3)
+}
+#undef PROW
+#undef POUT
+#else
 #define PROW(i)                                                                                                \
     if (r > i) {                                                                                               \
         __m256 a = _mm256_broadcast_ss(x##i + k);                                                              \
@@ -523,6 +563,7 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
 }
 #undef PROW
 #undef POUT
+#endif
 
 static void panel_tile_rows(int64_t r, const float *x, int64_t K, const float *const P[3], int64_t kc, float *y,
                             int64_t N, const int64_t col[3], int acc, const float *bias) {
@@ -536,12 +577,21 @@ static void panel_tile_rows(int64_t r, const float *x, int64_t K, const float *c
 
 /* one activation row by one whole panel (a thread's 1-2 panels left over from its triples) */
 static void panel_row(const float *x, const float *P, int64_t K, float *y, int64_t n0, int64_t N, const float *bias) {
+#if PLINTH_AVX512
+    __m512 a = _mm512_setzero_ps(), b = a;
+    for (int64_t k = 0; k < K; k += 4) { /* two chains of k pairs: K is a multiple of 8 */
+        a = _mm512_fmadd_ps(pair_halves(x + k), _mm512_loadu_ps(P + 8 * k), a);
+        b = _mm512_fmadd_ps(pair_halves(x + k + 2), _mm512_loadu_ps(P + 8 * k + 16), b);
+    }
+    store8(y + n0, fold_halves(_mm512_add_ps(a, b)), 0, bias, n0, N);
+#else
     __m256 a = _mm256_setzero_ps(), b = a;
     for (int64_t k = 0; k < K; k += 2) { /* two chains: K is a multiple of 8 */
         a = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), _mm256_loadu_ps(P + 8 * k), a);
         b = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k + 1), _mm256_loadu_ps(P + 8 * k + 8), b);
     }
     store8(y + n0, _mm256_add_ps(a, b), 0, bias, n0, N);
+#endif
 }
 
 /* items are panels; a thread's range is walked as three segments of S panels side by side */
@@ -629,8 +679,8 @@ static inline __attribute__((always_inline)) void kern_rows(int mr, const float 
 #undef KROW
 #undef KOUT
 
-/* kern_rows for any mr in 1..6 (the last rows of x need no zero rows multiplied) */
-static void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P0, const float *P1, float *y, int64_t ldy,
+/* kern_rows for any mr in 1..6 (the last rows of x need no zero rows multiplied); the AVX2 build's tile */
+static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P0, const float *P1, float *y, int64_t ldy,
                      int acc) {
     switch (mr) {
     case 6: kern_rows(6, A, kc, P0, P1, y, ldy, acc); break;
@@ -641,6 +691,57 @@ static void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P0, co
     default: kern_rows(1, A, kc, P0, P1, y, ldy, acc); break;
     }
 }
+
+#if PLINTH_AVX512
+/* The AVX-512 build's tile: 6 rows by 4 adjacent weight panels (32 columns), each register one k of
+ * two panels ([P0 | P1] and [P2 | P3]: a load and an insert from the other panel), each A value
+ * broadcast from memory into the FMA: 12 512-bit accumulators, 2 loads, 2 inserts and 6 broadcasts
+ * per 12 FMAs of 16 lanes. Same panels, same packed A, same sums per output as kern6x16 (one k after
+ * another), so both builds' results agree bit for bit. */
+#define KROW(i)                                                                                                \
+    if (mr > i) {                                                                                              \
+        __m512 a = _mm512_set1_ps(A[i]);                                                                       \
+        c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0), c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);                  \
+    }
+#define KOUT(i)                                                                                                \
+    if (mr > i) {                                                                                              \
+        if (acc) {                                                                                             \
+            c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(y + i * ldy));                                    \
+            c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(y + i * ldy + 16));                               \
+        }                                                                                                      \
+        _mm512_storeu_ps(y + i * ldy, c##i##0), _mm512_storeu_ps(y + i * ldy + 16, c##i##1);                   \
+    }
+static inline __attribute__((always_inline)) void kern_rows32(int mr, const float *A, int64_t kc,
+                                                              const float *const P[4], float *y, int64_t ldy,
+                                                              int acc) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *P0 = P[0], *P1 = P[1], *P2 = P[2], *P3 = P[3];
+    for (int64_t k = 0; k < kc; k++, A += 6) {
+        __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P0 + 8 * k)), _mm256_loadu_ps(P1 + 8 * k), 1);
+        __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P2 + 8 * k)), _mm256_loadu_ps(P3 + 8 * k), 1);
+        KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
+    }
+    KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
+}
+#undef KROW
+#undef KOUT
+
+static void kern6x32(int64_t mr, const float *A, int64_t kc, const float *const P[4], float *y, int64_t ldy, int acc) {
+    switch (mr) {
+    case 6: kern_rows32(6, A, kc, P, y, ldy, acc); break;
+    case 5: kern_rows32(5, A, kc, P, y, ldy, acc); break;
+    case 4: kern_rows32(4, A, kc, P, y, ldy, acc); break;
+    case 3: kern_rows32(3, A, kc, P, y, ldy, acc); break;
+    case 2: kern_rows32(2, A, kc, P, y, ldy, acc); break;
+    default: kern_rows32(1, A, kc, P, y, ldy, acc); break;
+    }
+}
+#define KERN_PANELS 4
+#else
+#define KERN_PANELS 2
+#endif
+#define KERN_COLS (8 * KERN_PANELS)
 
 typedef struct {
     const float *x;
@@ -674,31 +775,35 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
     blocked_ctx *c = (blocked_ctx *)p;
     int64_t M = c->M, N = c->N, K = c->K, tiles = (M + 5) / 6, panels = (N + 7) / 8;
     int64_t chunks = (K + PACK_KC - 1) / PACK_KC, kcs = (K / chunks + 7) / 8 * 8;
-    float tile[6 * 16];
+    float tile[6 * KERN_COLS];
     for (int64_t item = begin; item < end; item++) {
         int64_t group = item / c->blocks, block = item % c->blocks;
         int64_t q0 = group * PACK_GP, q1 = q0 + PACK_GP < panels ? q0 + PACK_GP : panels;
         int64_t t0 = block * (PACK_MC / 6), t1 = t0 + PACK_MC / 6 < tiles ? t0 + PACK_MC / 6 : tiles;
         for (int64_t k0 = 0; k0 < K; k0 += kcs) {
             int64_t kc = K - k0 < kcs ? K - k0 : kcs;
-            for (int64_t q = q0; q < q1; q += 2) {
-                int64_t nj = q * 8, cols = N - nj < 16 ? N - nj : 16;
-                const float *P0 = c->w + nj * K + k0 * 8;
-                const float *P1 = q + 1 < q1 ? P0 + 8 * K : P0; /* no second panel: its columns are dropped */
+            for (int64_t q = q0; q < q1; q += KERN_PANELS) {
+                int64_t nj = q * 8, cols = N - nj < KERN_COLS ? N - nj : KERN_COLS;
+                const float *P[KERN_PANELS];
+                for (int j = 0; j < KERN_PANELS; j++) /* a panel past the last: its columns are dropped */
+                    P[j] = c->w + (q + j < q1 ? nj + 8 * j : nj) * K + k0 * 8;
                 for (int64_t t = t0; t < t1; t++) {
                     int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
                     const float *At = c->A + t * PANEL_X(K) + k0 * 6;
-                    if (cols == 16) {
-                        kern6x16(mr, At, kc, P0, P1, c->y + m * N + nj, N, k0 > 0);
-                        continue;
-                    }
+                    float *out = cols == KERN_COLS ? c->y + m * N + nj : tile;
+                    int64_t ldy = cols == KERN_COLS ? N : KERN_COLS;
                     /* the last columns: through a scratch tile, only the real ones */
-                    if (k0 > 0)
+                    if (cols < KERN_COLS && k0 > 0)
                         for (int64_t i = 0; i < mr; i++)
-                            memcpy(tile + i * 16, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
-                    kern6x16(mr, At, kc, P0, P1, tile, 16, k0 > 0);
-                    for (int64_t i = 0; i < mr; i++)
-                        memcpy(c->y + (m + i) * N + nj, tile + i * 16, sizeof(float) * (size_t)cols);
+                            memcpy(tile + i * KERN_COLS, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
+#if PLINTH_AVX512
+                    kern6x32(mr, At, kc, P, out, ldy, k0 > 0);
+#else
+                    kern6x16(mr, At, kc, P[0], P[1], out, ldy, k0 > 0);
+#endif
+                    if (cols < KERN_COLS)
+                        for (int64_t i = 0; i < mr; i++)
+                            memcpy(c->y + (m + i) * N + nj, tile + i * KERN_COLS, sizeof(float) * (size_t)cols);
                 }
             }
         }
