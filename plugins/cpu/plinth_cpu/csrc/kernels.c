@@ -115,6 +115,18 @@ int plinth_abi_version(void) { return PLINTH_ABI_VERSION; }
 #endif
 int plinth_isa(void) { return PLINTH_AVX512 ? 3 : 2; }
 
+#if PLINTH_AVX512
+/* [x[0] x 8 | x[1] x 8]: an 8-byte load and a permute */
+static inline __m512 pair_halves(const float *x) {
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)x))));
+}
+/* the low plus the high 8 lanes */
+static inline __m256 fold_halves(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------------
  * Thread pool. parallel_for(fn, ctx, n, grain) runs fn(ctx, begin, end) over [0, n) in items of
  * `grain`. Items are claimed by compare-and-swap on one 64-bit word holding (generation, next
@@ -323,7 +335,29 @@ static void tile_4x3(const float *x, const float *const w[3], int64_t K, float *
     const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *w0 = w[0], *w1 = w[1], *w2 = w[2];
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
     __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-    for (int64_t k = 0; k < K; k += 8) {
+    int64_t k = 0;
+#if PLINTH_AVX512
+    { /* 16 k per register, folded into the 8-wide sums before an odd 8 k (K is a multiple of 8) */
+        __m512 z00 = _mm512_setzero_ps(), z01 = z00, z02 = z00, z10 = z00, z11 = z00, z12 = z00;
+        __m512 z20 = z00, z21 = z00, z22 = z00, z30 = z00, z31 = z00, z32 = z00;
+        for (; k + 16 <= K; k += 16) {
+            __m512 a = _mm512_loadu_ps(w0 + k), b = _mm512_loadu_ps(w1 + k), c = _mm512_loadu_ps(w2 + k);
+            __m512 v = _mm512_loadu_ps(x0 + k);
+            z00 = _mm512_fmadd_ps(v, a, z00), z01 = _mm512_fmadd_ps(v, b, z01), z02 = _mm512_fmadd_ps(v, c, z02);
+            v = _mm512_loadu_ps(x1 + k);
+            z10 = _mm512_fmadd_ps(v, a, z10), z11 = _mm512_fmadd_ps(v, b, z11), z12 = _mm512_fmadd_ps(v, c, z12);
+            v = _mm512_loadu_ps(x2 + k);
+            z20 = _mm512_fmadd_ps(v, a, z20), z21 = _mm512_fmadd_ps(v, b, z21), z22 = _mm512_fmadd_ps(v, c, z22);
+            v = _mm512_loadu_ps(x3 + k);
+            z30 = _mm512_fmadd_ps(v, a, z30), z31 = _mm512_fmadd_ps(v, b, z31), z32 = _mm512_fmadd_ps(v, c, z32);
+        }
+        c00 = fold_halves(z00), c01 = fold_halves(z01), c02 = fold_halves(z02);
+        c10 = fold_halves(z10), c11 = fold_halves(z11), c12 = fold_halves(z12);
+        c20 = fold_halves(z20), c21 = fold_halves(z21), c22 = fold_halves(z22);
+        c30 = fold_halves(z30), c31 = fold_halves(z31), c32 = fold_halves(z32);
+    }
+#endif
+    for (; k < K; k += 8) {
         __m256 a = _mm256_loadu_ps(w0 + k), b = _mm256_loadu_ps(w1 + k), c = _mm256_loadu_ps(w2 + k);
         __m256 v = _mm256_loadu_ps(x0 + k);
         c00 = _mm256_fmadd_ps(v, a, c00), c01 = _mm256_fmadd_ps(v, b, c01), c02 = _mm256_fmadd_ps(v, c, c02);
@@ -346,6 +380,19 @@ static void tile_1x3(const float *x, const float *const w[3], int64_t K, float *
     const float *w0 = w[0], *w1 = w[1], *w2 = w[2];
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
     int64_t k = 0;
+#if PLINTH_AVX512
+    { /* 32 k a step in two 16-wide chains per row, folded into the 8-wide chains for the tail */
+        __m512 za0 = _mm512_setzero_ps(), za1 = za0, zb0 = za0, zb1 = za0, zc0 = za0, zc1 = za0;
+        for (; k + 32 <= K; k += 32) {
+            __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
+            za0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k), xa, za0), za1 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k + 16), xb, za1);
+            zb0 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k), xa, zb0), zb1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k + 16), xb, zb1);
+            zc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k), xa, zc0), zc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k + 16), xb, zc1);
+        }
+        a0 = fold_halves(za0), a1 = fold_halves(za1), b0 = fold_halves(zb0), b1 = fold_halves(zb1);
+        c0 = fold_halves(zc0), c1 = fold_halves(zc1);
+    }
+#endif
     for (; k + 16 <= K; k += 16) { /* two chains per row: the loop is bound by FMA latency otherwise */
         __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0), a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + 8), xb, a1);
@@ -499,13 +546,6 @@ static inline void store8(float *y, __m256 v, int acc, const float *bias, int64_
  * [x[k] x 8 | x[k + 1] x 8] (an 8-byte load and a permute); a tile's 12 registers then sum even k in
  * their low and odd k in their high halves, added when stored: half the FMAs and loads of the AVX2
  * tile per k. */
-static inline __m512 pair_halves(const float *x) {
-    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    return _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)x))));
-}
-static inline __m256 fold_halves(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-}
 #define PROW(i)                                                                                                \
     if (r > i) {                                                                                               \
         __m512 a = pair_halves(x##i + k);                                                                      \
