@@ -230,6 +230,8 @@ def build_certificate(state: SuiteState, keyword: str | None = None) -> dict[str
         "device": {
             "name": probe.device_name if probe is not None else None,
             "probe_score": probe.score if probe is not None else None,
+            # the backend's own account of what runs (the cpu backend names its native ISA build)
+            "probe_reasons": list(probe.reasons) if probe is not None else [],
             "emulation": emulation,
             "interpreter": bool(interp),
             "interpreter_env": interp,
@@ -260,6 +262,7 @@ def summary_markdown(cert: dict[str, Any]) -> str:
         + (f", load average {' / '.join(map(str, load))}" if (load := host.get("load_average")) else "")
         + (f", ISA {' '.join(host['isa'])}" if host.get("isa") else "")
         + (f" ({host['note']})" if host.get("note") else ""),
+        *([f"- probe: {'; '.join(dev['probe_reasons'])}"] if dev.get("probe_reasons") else []),
         *([f"- note: {cert['note']}"] if cert.get("note") else []),
         "",
         "| tier | status | passed | failed | skipped | seconds |",
