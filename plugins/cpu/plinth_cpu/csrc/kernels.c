@@ -1558,7 +1558,27 @@ static inline void prefetch_step(page_prefetch *pf) {
 /* Scores of query q against the 8 key rows at k (consecutive positions of one page, D apart). */
 static inline __m256 dot8(const float *q, const float *k, int64_t D, page_prefetch *pf) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t d = 0; d < D; d += 8) {
+    int64_t d = 0;
+#if PLINTH_AVX512
+    { /* 16 of D a step (one prefetch per 16 floats of each key: the same lines a step as below) */
+        __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0, z4 = z0, z5 = z0, z6 = z0, z7 = z0;
+        for (; d + 16 <= D; d += 16) {
+            prefetch_step(pf);
+            __m512 qv = _mm512_loadu_ps(q + d);
+            z0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + d), z0);
+            z1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + D + d), z1);
+            z2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 2 * D + d), z2);
+            z3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 3 * D + d), z3);
+            z4 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 4 * D + d), z4);
+            z5 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 5 * D + d), z5);
+            z6 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 6 * D + d), z6);
+            z7 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 7 * D + d), z7);
+        }
+        a0 = fold_halves(z0), a1 = fold_halves(z1), a2 = fold_halves(z2), a3 = fold_halves(z3);
+        a4 = fold_halves(z4), a5 = fold_halves(z5), a6 = fold_halves(z6), a7 = fold_halves(z7);
+    }
+#endif
+    for (; d < D; d += 8) {
         prefetch_step(pf);
         __m256 qv = _mm256_loadu_ps(q + d);
         a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
@@ -1575,6 +1595,17 @@ static inline __m256 dot8(const float *q, const float *k, int64_t D, page_prefet
 
 /* o[0..64) += sum over n positions of p[pos] * v[pos * D + 0..64), in eight registers */
 static inline void pv64(const float *v, int64_t D, const float *p, int64_t n, float *o, page_prefetch *pf) {
+#if PLINTH_AVX512
+    __m512 z0 = _mm512_loadu_ps(o), z1 = _mm512_loadu_ps(o + 16), z2 = _mm512_loadu_ps(o + 32);
+    __m512 z3 = _mm512_loadu_ps(o + 48);
+    for (int64_t i = 0; i < n; i++, v += D) {
+        prefetch_step(pf);
+        __m512 w = _mm512_set1_ps(p[i]);
+        z0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), z0), z1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), z1);
+        z2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), z2), z3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), z3);
+    }
+    _mm512_storeu_ps(o, z0), _mm512_storeu_ps(o + 16, z1), _mm512_storeu_ps(o + 32, z2), _mm512_storeu_ps(o + 48, z3);
+#else
     __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
     __m256 o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32), o5 = _mm256_loadu_ps(o + 40);
     __m256 o6 = _mm256_loadu_ps(o + 48), o7 = _mm256_loadu_ps(o + 56);
@@ -1588,6 +1619,7 @@ static inline void pv64(const float *v, int64_t D, const float *p, int64_t n, fl
     }
     _mm256_storeu_ps(o, o0), _mm256_storeu_ps(o + 8, o1), _mm256_storeu_ps(o + 16, o2), _mm256_storeu_ps(o + 24, o3);
     _mm256_storeu_ps(o + 32, o4), _mm256_storeu_ps(o + 40, o5), _mm256_storeu_ps(o + 48, o6), _mm256_storeu_ps(o + 56, o7);
+#endif
 }
 
 /* the same for one 8-wide slice (head sizes not a multiple of 64) */
