@@ -19,6 +19,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -100,13 +101,13 @@ def main() -> None:
             xb = x.to(torch.bfloat16)
             fns: dict[str, Callable[[], object]] = {}
             for b, lib in builds.items():
-                fns[f"{b} fp32"] = lambda lib=lib, p=panels[b]: lib.gemm_f32_panels(x, p, None, n)
-            fns["torch fp32"] = lambda: F.linear(x, w)
-            fns["torch bf16"] = lambda: F.linear(xb, wb)
+                fns[f"{b} fp32"] = partial(lib.gemm_f32_panels, x, panels[b], None, n)
+            fns["torch fp32"] = partial(F.linear, x, w)
+            fns["torch bf16"] = partial(F.linear, xb, wb)
             if m <= QUANT_MAX_ROWS:
                 for q in ("q4_1", "q8_0"):
                     for b, lib in builds.items():
-                        fns[f"{b} {q}"] = lambda lib=lib, q=q: lib.gemm_quant(q, x, blocks[q], None, n, "int16")
+                        fns[f"{b} {q}"] = partial(lib.gemm_quant, q, x, blocks[q], None, n, "int16")
             secs = fastest(fns, args.budget)
             gflops = {c: 2 * m * n * k / secs[c] / 1e9 for c in secs}
             cells = [f"{gflops[c]:.1f}" if c in gflops else "-" for c in cols]
