@@ -106,8 +106,10 @@ class _Terminal:
         if self.pid == 0:  # the child: nothing but exec
             os.environ["TERM"] = "dumb"  # readline without escape sequences
             # as a shell starts a foreground job: SIGINT at its default, whatever this test process
-            # inherited or set (an ignored SIGINT survives exec, and Python then never raises
-            # KeyboardInterrupt: Ctrl-C at the prompt did nothing in a full run)
+            # inherited (an ignored SIGINT survives exec, and Python then never raises
+            # KeyboardInterrupt). A suite started with `&` from a non-interactive shell, as CI
+            # scripts do, runs with SIGINT ignored: bash ignores it in background jobs without job
+            # control, and that is what made Ctrl-C at the prompt do nothing in full runs.
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, *argv])
         self.seen = ""  # what no expect() has consumed yet
