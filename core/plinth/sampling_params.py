@@ -27,6 +27,10 @@ class SamplingParams:
     - ``repetition_penalty`` (0 < r <= 10), ``presence_penalty`` and ``frequency_penalty`` (-2 to 2).
     - ``stop``: stop strings (a string or a list; not included in the text), ``stop_token_ids``.
     - ``logprobs`` (0-:data:`MAX_LOGPROBS`): top-n logprobs per token.
+    - ``logit_bias``: token id -> a bias in [-100, 100] added to its logit before sampling (after
+      the penalties; -100 in effect bans a token, +100 all but forces it), as OpenAI's
+      ``logit_bias``. Logprobs stay those of the model's own distribution. Ids outside the
+      vocabulary are refused when the request is added.
 
     A value of the wrong type or out of range raises :class:`~plinth.validation.InvalidParameter`
     naming the field; an unknown keyword raises ``TypeError``.
@@ -48,6 +52,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -81,6 +86,7 @@ class SamplingParams:
             "ignore_eos": check_bool(owner, "ignore_eos", self.ignore_eos),
             "logprobs": check_int(owner, "logprobs", self.logprobs, optional=True, ge=0, le=MAX_LOGPROBS),
             "skip_special_tokens": check_bool(owner, "skip_special_tokens", self.skip_special_tokens),
+            "logit_bias": _check_logit_bias(owner, self.logit_bias),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -95,6 +101,33 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def changes_logits(self) -> bool:
+        """True when penalties or a logit bias rewrite this request's logits before sampling."""
+        return self.has_penalties or bool(self.logit_bias)
+
+    @property
     def has_penalties(self) -> bool:
         """True when any penalty changes the logits."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+#: The largest |bias| ``logit_bias`` takes (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
+
+
+def _check_logit_bias(owner: str, value: object) -> dict[int, float] | None:
+    """``value`` as a new ``{token id: bias}`` dict (None or empty: None); ids >= 0, biases finite in
+    [-:data:`MAX_LOGIT_BIAS`, :data:`MAX_LOGIT_BIAS`]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidParameter(owner, "logit_bias", f"must be a dict of token id -> bias, got {value!r}")
+    checked: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise InvalidParameter(owner, "logit_bias", f"keys must be token ids (ints >= 0), got {key!r}")
+        try:
+            checked[key] = float(check_float(owner, "logit_bias", bias, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS) or 0.0)
+        except InvalidParameter as exc:
+            raise InvalidParameter(owner, "logit_bias", f"the bias of token {key} {exc.problem}") from None
+    return checked or None

@@ -267,8 +267,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Validate and queue a request.
 
-        :raises InvalidRequest: empty or over-long prompt, a token id outside the vocabulary, or a
-            duplicate request id. Nothing is queued then; running requests are unaffected.
+        :raises InvalidRequest: empty or over-long prompt, a token id outside the vocabulary (in the
+            prompt or ``params.logit_bias``), or a duplicate request id. Nothing is queued then;
+            running requests are unaffected.
         """
         params = params or SamplingParams()
         if request_id in self._groups:
@@ -284,6 +285,8 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.logit_bias and (biased := sorted(t for t in params.logit_bias if t >= vocab)):
+            raise InvalidRequest(f"logit_bias token ids {biased[:5]} are outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len} "

@@ -1,4 +1,4 @@
-"""Turning logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+"""Turning logits into tokens: penalties, logit bias, temperature, top-k/top-p/min-p, seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -56,14 +56,16 @@ class Sampler:
         logits = logits.float()
         if logits_rows != list(range(logits.shape[0])):  # n > 1 repeats rows; else the logits are in order
             logits = logits.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=logits.device))  # [S, V]
-        elif any(r.params.has_penalties for r in rows):
-            logits = logits.clone()  # penalties write rows in place: never into the caller's tensor
+        elif any(r.params.changes_logits for r in rows):
+            logits = logits.clone()  # penalties and biases write rows in place: never into the caller's tensor
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         for i, row in enumerate(rows):
             if row.params.has_penalties:
                 logits[i] = apply_penalties(logits[i], row.params, row.prompt_token_ids, row.output_token_ids)
+            if row.params.logit_bias:
+                apply_logit_bias(logits[i], row.params.logit_bias)
 
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -104,6 +106,14 @@ class Sampler:
                     result.top_logprobs = []
             results.append(result)
         return results
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    """Add ``bias`` (token id -> bias) to ``logits`` [V] in place; ids are checked against the
+    vocabulary when the request is added (:meth:`LLMEngine.add_request`)."""
+    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    logits.index_add_(0, ids, values)
 
 
 def apply_penalties(

@@ -108,6 +108,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     st.check_fan_out(len(prompts), body.n)  # before any prompt is tokenized
     max_tokens = st.max_tokens(body.max_tokens)
     params = body.sampling_params(max_tokens, body.logprobs)
+    if params.logit_bias:
+        st.check_token_ids(list(params.logit_bias), "logit_bias")
     prompt_ids: list[list[int]] = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
@@ -223,6 +225,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = st.max_tokens(body.max_new_tokens)
     params = body.sampling_params(max_tokens, logprobs)
+    if params.logit_bias:
+        st.check_token_ids(list(params.logit_bias), "logit_bias")
     prompt = await st.chat_prompt(body.template_messages(), "messages", body.add_generation_prompt)
     st.check_context(len(prompt), max_tokens, "messages", body.max_tokens_param)
     base = f"chatcmpl-{uuid.uuid4().hex}"

@@ -72,7 +72,9 @@ class SamplingFields(_Strict):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, description="accepted and ignored")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    logit_bias: dict[str, Float] | None = Field(
+        None, description="token id (as a string, as OpenAI's) -> bias in [-100, 100] added to its logit"
+    )
     # sent by real clients (the openai SDK, langchain, litellm): accepted and ignored
     store: Bool | None = Field(None, description="accepted and ignored (nothing is stored)")
     service_tier: Text | None = Field(None, description="accepted and ignored")
@@ -89,8 +91,6 @@ class SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; a rejected value is a 400 naming the field."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         fields: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -111,12 +111,25 @@ class SamplingFields(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "stop_token_ids": self.stop_token_ids,
+            "logit_bias": self._logit_bias(),
         }
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
             return SamplingParams(**fields)
         except InvalidParameter as exc:
             raise invalid_parameter(exc, {"max_tokens": self._max_tokens_field}) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys as token ids; a key that is not one is a 400."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            text = key.strip()
+            if not text.isascii() or not text.isdigit():
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            out[int(text)] = bias
+        return out
 
     @property
     def _max_tokens_field(self) -> str:

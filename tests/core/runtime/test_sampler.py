@@ -164,3 +164,39 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> Non
     assert field in str(err.value)
     if isinstance(err.value, InvalidParameter):
         assert err.value.field == field
+
+
+def test_logit_bias_moves_the_pick_of_its_row_only() -> None:
+    """-100 takes the argmax out of the running, +100 forces a token; another row in the same batch
+    and the logprobs (the model's own distribution) are untouched."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(11))
+    top2 = logits[0].topk(2).indices.tolist()
+    banned = SamplingParams(temperature=0, logit_bias={top2[0]: -100.0}, logprobs=1)
+    forced = SamplingParams(temperature=0.7, seed=3, logit_bias={7: 100})
+    plain = SamplingParams(temperature=0)
+    before = logits.clone()
+    out = _sample(Sampler(), logits, [_row(0, banned, "a"), _row(0, forced, "b"), _row(1, plain, "c")])
+    assert out[0].token_id == top2[1]
+    assert out[1].token_id == 7
+    assert out[2].token_id == int(logits[1].argmax())
+    assert torch.equal(logits, before)  # the caller's logits are never written
+    raw = torch.log_softmax(before[0], -1)
+    assert out[0].logprob == pytest.approx(float(raw[top2[1]]))  # the unbiased distribution's
+    assert out[0].top_logprobs is not None and out[0].top_logprobs[0][0] == top2[0]
+
+
+def test_logit_bias_is_checked_field_by_field() -> None:
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={5: 1}).logit_bias == {5: 1.0}
+    for bad, words in [
+        ({"5": 1.0}, "keys must be token ids"),
+        ({True: 1.0}, "keys must be token ids"),
+        ({-1: 1.0}, "keys must be token ids"),
+        ({5: 100.5}, "the bias of token 5 must be at most 100.0"),
+        ({5: float("nan")}, "the bias of token 5 must be a number"),
+        ({5: float("-inf")}, "the bias of token 5 must be at least -100.0"),
+        ([5], "must be a dict"),
+    ]:
+        with pytest.raises(InvalidParameter, match=words) as info:
+            SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
+        assert info.value.field == "logit_bias"

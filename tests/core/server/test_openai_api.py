@@ -96,6 +96,26 @@ def test_batch_n_seed_extras_logprobs(client: openai.OpenAI) -> None:
     assert resp.usage is not None and resp.usage.completion_tokens == 24
 
 
+def test_logit_bias_bans_and_forces_tokens_as_offline(
+    client: openai.OpenAI, offline_llm: Any, ref_completion: Any
+) -> None:
+    """OpenAI's ``logit_bias`` (string token ids): -100 bans the greedy first token, +100 forces a
+    token at every step; the server's choices equal the offline API's with the same bias."""
+    first = ref_completion.outputs[0].token_ids[0]
+    banned = client.completions.create(
+        model="", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(first): -100}, logprobs=0
+    )
+    offline = offline_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, logit_bias={first: -100}))
+    assert banned.choices[0].text == offline[0].outputs[0].text
+    assert offline[0].outputs[0].token_ids[0] != first
+    forced_id = 1234
+    forced = client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=3, temperature=0, logit_bias={str(forced_id): 100}
+    )
+    expected = offline_llm.tokenizer.decode([forced_id] * 3)
+    assert forced.choices[0].message.content == expected
+
+
 def test_chat_logprobs_stop_echo(client: openai.OpenAI, ref_completion: Any) -> None:
     resp = client.chat.completions.create(
         model="",

@@ -112,6 +112,9 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
         engine.add_request("empty", [], _greedy(8))
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         engine.add_request("oov", [5, 10**7], _greedy(8))
+    biased = SamplingParams(temperature=0, max_tokens=8, logit_bias={5: 1.0, 10**7: 2.0})
+    with pytest.raises(InvalidRequest, match=r"logit_bias token ids \[10000000\] are outside the vocabulary"):
+        engine.add_request("oov-bias", [5, 6], biased)
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.add_request("good", "again", _greedy(8))
     finished = []
