@@ -46,7 +46,11 @@ SCALAR_SCORE = 10
 _ISA_FLAGS: tuple[tuple[str, frozenset[str]], ...] = (
     ("avx2", frozenset({"avx2"})),
     ("avx512f", frozenset({"avx512f"})),
-    ("amx", frozenset({"amx_tile", "amx_bf16", "amx_int8"})),
+    ("avx512_vnni", frozenset({"avx512_vnni"})),
+    ("avx512_bf16", frozenset({"avx512_bf16"})),
+    ("avx512_fp16", frozenset({"avx512_fp16"})),
+    ("amx_bf16", frozenset({"amx_bf16"})),
+    ("amx_int8", frozenset({"amx_int8"})),
     ("neon", frozenset({"neon", "asimd"})),  # aarch64 kernels report Advanced SIMD as "asimd"
 )
 

@@ -24,7 +24,7 @@ PYPROJECT = Path(__file__).parents[3] / "plugins" / "cpu" / "pyproject.toml"
 X86_CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8480+
-flags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512bw amx_bf16 amx_tile amx_int8
+flags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
 """
 ARM_CPUINFO = """processor\t: 0
 BogoMIPS\t: 50.00
@@ -77,15 +77,17 @@ def test_probe_scores_above_reference_and_explains() -> None:
 
 
 def test_probe_reads_x86_and_arm_features(monkeypatch: pytest.MonkeyPatch) -> None:
-    """avx2 / avx512f / amx from x86 "flags", neon from Arm "Features" (asimd)."""
+    """avx2 / avx512f (VNNI, BF16, FP16) / amx (bf16, int8) from x86 "flags", neon from Arm "Features"
+    (asimd): what torch's oneDNN and the native builds dispatch on."""
     assert backend.cpu_model(X86_CPUINFO) == "Intel(R) Xeon(R) Platinum 8480+"
-    assert backend.isa_features(X86_CPUINFO) == ["avx2", "avx512f", "amx"]
+    x86 = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
+    assert backend.isa_features(X86_CPUINFO) == x86
     assert backend.isa_features(ARM_CPUINFO) == ["neon"]
     monkeypatch.setattr(backend, "_read_cpuinfo", lambda: X86_CPUINFO)
     probe = CpuBackend().probe()
     assert probe.score == backend.SIMD_SCORE
     assert probe.device_name == "Intel(R) Xeon(R) Platinum 8480+"
-    assert any("avx2, avx512f, amx" in r for r in probe.reasons)
+    assert any(", ".join(x86) in r for r in probe.reasons)
 
 
 def test_probe_without_cpuinfo_or_simd_still_works(monkeypatch: pytest.MonkeyPatch) -> None:
