@@ -460,7 +460,7 @@ def choose_variant(flags: set[str] | None = None) -> tuple[IsaVariant, str]:
             raise ValueError(f"{ISA_ENV}={wanted}: this CPU lacks {', '.join(sorted(missing))}")
         return variant, f"forced by {ISA_ENV}={wanted}"
     best = runnable_variants(have)[0]
-    skipped = [v for v in VARIANTS[: VARIANTS.index(best)]]
+    skipped = list(VARIANTS[: VARIANTS.index(best)])
     if not skipped:
         extra = sorted(best.cpu_flags - AVX2.cpu_flags)
         return best, f"this CPU has {', '.join(extra)}" if extra else "the best build for this CPU"
