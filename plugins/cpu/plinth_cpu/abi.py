@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -97,7 +97,14 @@ FUNCTIONS: dict[str, CFunction] = {
     "plinth_rms_norm": CFunction(
         "void", "const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H, float eps", 6, "T"
     ),
+    "plinth_rms_norm_heads": CFunction(
+        "void",
+        "const float *x, int64_t sx, const float *w, float *out, int64_t T, int64_t Hh, int64_t D, float eps",
+        13,
+        "T",
+    ),
     "plinth_silu_and_mul": CFunction("void", "const float *x, float *out, int64_t T, int64_t I", 7, "T"),
+    "plinth_gelu_tanh_and_mul": CFunction("void", "const float *x, float *out, int64_t T, int64_t I", 14, "T"),
     "plinth_rotary": CFunction(
         "void",
         "const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T, "

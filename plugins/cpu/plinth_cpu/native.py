@@ -340,11 +340,26 @@ class NativeKernels:
                                  weight.data_ptr(), out.data_ptr(), T, H, eps)  # fmt: skip
         return out
 
+    def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each head of ``x`` [T, H, D] (heads dense, any token stride; D a multiple of 8)
+        over its D values times ``weight`` [D] -> a new contiguous [T, H, D]."""
+        T, H, D = x.shape
+        out = torch.empty(T, H, D, dtype=torch.float32)
+        self.lib.plinth_rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), T, H, D, eps)
+        return out
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[:, :I]) * x[:, I:]`` for ``x`` [T, 2I]."""
         T, I2 = x.shape
         out = torch.empty(T, I2 // 2, dtype=x.dtype)
         self.lib.plinth_silu_and_mul(x.data_ptr(), out.data_ptr(), T, I2 // 2)
+        return out
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(x[:, :I]) * x[:, I:]`` for ``x`` [T, 2I] (GELU's tanh form, as sigmoid)."""
+        T, I2 = x.shape
+        out = torch.empty(T, I2 // 2, dtype=x.dtype)
+        self.lib.plinth_gelu_tanh_and_mul(x.data_ptr(), out.data_ptr(), T, I2 // 2)
         return out
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -56,6 +56,26 @@ class CpuOps(TorchOps):
             return super().silu_and_mul(x)
         return self.native.silu_and_mul(x.contiguous())
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:] (Gemma 3's MLP) in one native pass."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            return super().gelu_tanh_and_mul(x)
+        return self.native.gelu_tanh_and_mul(x.contiguous())
+
+    def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each head of ``x`` [T, H, D] read in place from the strided view of the fused
+        QKV (torch's default copies it dense first, which keeps a decode step out of a step graph)."""
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or x.dim() != 3
+            or x.stride(2) != 1
+            or x.stride(1) != x.shape[2]
+            or x.shape[2] % 8
+        ):
+            return super().rms_norm_heads(x, weight, eps)
+        return self.native.rms_norm_heads(x, weight.contiguous(), eps)
+
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
         """NeoX rotary of ``x`` [T, H, D] at ``positions`` [T] (a new tensor; ``x`` is not modified)."""
         if (

@@ -262,6 +262,14 @@ def test_small_ops_match_torch(nk: NativeKernels, threads: int) -> None:
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # rotary_dim 16 < head 32
     torch.testing.assert_close(ops.rotary(q, positions, cos_sin, 16), ref.rotary(q, positions, cos_sin, 16))
     assert torch.equal(qkv, before)
+    # Qwen3 / Gemma 3: the q/k norm read in place from the fused qkv (k: 2 heads at column 128), and
+    # Gemma's GeGLU, large gate values included (tanh saturates; e^-2u overflows to inf)
+    k = qkv[:, 4 * 32 : 6 * 32].view(37, 2, 32)
+    wk = torch.randn(32, generator=gen)
+    torch.testing.assert_close(ops.rms_norm_heads(k, wk, 1e-6), ref.rms_norm_heads(k, wk, 1e-6))
+    assert ops.rms_norm_heads(k, wk, 1e-6).is_contiguous() and torch.equal(qkv, before)
+    gu = torch.cat((torch.randn(37, 48, generator=gen) * 6, torch.randn(37, 48, generator=gen)), dim=1)
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(gu), ref.gelu_tanh_and_mul(gu), rtol=1e-5, atol=1e-5)
 
 
 def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen: torch.Generator):  # noqa: ANN202
@@ -425,6 +433,7 @@ class _GraphInputs:
         self.panels = torch.cat((self.w, torch.zeros(8, 64))).view(6, 8, 64).transpose(1, 2).contiguous()
         self.bias = torch.randn(40, generator=gen)
         self.norm_w = torch.randn(64, generator=gen)
+        self.head_norm_w = torch.randn(32, generator=gen)
         freqs = torch.arange(64.0)[:, None] * torch.rand(8, generator=gen)[None]
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # rotary_dim 16 < head 32
         self.q4 = _q4_1(40, 64, gen)
@@ -456,6 +465,8 @@ class _GraphInputs:
             nk.gemm_f32_panels(self.x, self.panels, self.bias, 40),
             nk.rms_norm(self.x, self.norm_w, 1e-5, residual=residual),
             nk.silu_and_mul(self.gate_up),
+            nk.gelu_tanh_and_mul(self.gate_up),
+            nk.rms_norm_heads(k, self.head_norm_w, 1e-6),  # Qwen3's k norm, read from the fused qkv
             nk.rotary(q, self.positions, self.cos_sin, 16),
         ]
         nk.write_kv(k, v, cache, self.slots)
@@ -477,10 +488,11 @@ def test_recorded_calls_replay_over_refilled_inputs(threads: int, recording: Nat
     outputs = inputs.run(nk, inputs.cache, inputs.residual)  # the calls run while recording
     graph = nk.end_recording()
     expected_names = [
-        "gemm_f32", "gemm_f32_panels", "rms_norm", "silu_and_mul", "rotary", "write_kv", "decode_attention"
+        "gemm_f32", "gemm_f32_panels", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm_heads", "rotary",
+        "write_kv", "decode_attention",
     ]  # fmt: skip
     assert graph.names == [f"plinth_{n}" for n in expected_names + ["gemm_quant"] * 2]
-    assert len(graph) == 9 and set(graph.names) <= set(GRAPH_OPS)
+    assert len(graph) == 11 and set(graph.names) <= set(GRAPH_OPS)
     for out in outputs[:2]:
         torch.testing.assert_close(out, F.linear(inputs.x, inputs.w, inputs.bias), rtol=1e-5, atol=1e-5)
 

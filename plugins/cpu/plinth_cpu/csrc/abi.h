@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 9
+#define PLINTH_ABI_VERSION 10
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -27,7 +27,9 @@ int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bia
 void plinth_dequant(int fmt, const void *w, float *out, int64_t N, int64_t K);
 int plinth_dequant_panels(int fmt, const void *w, float *P, int64_t N, int64_t K);
 void plinth_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H, float eps);
+void plinth_rms_norm_heads(const float *x, int64_t sx, const float *w, float *out, int64_t T, int64_t Hh, int64_t D, float eps);
 void plinth_silu_and_mul(const float *x, float *out, int64_t T, int64_t I);
+void plinth_gelu_tanh_and_mul(const float *x, float *out, int64_t T, int64_t I);
 void plinth_rotary(const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T, int64_t H, int64_t D, int64_t rotary_dim);
 void plinth_write_kv(const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs);
 int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
@@ -47,6 +49,8 @@ enum {
     OP_DECODE_ATTENTION = 10,
     OP_GEMM_F32_PANELS = 11,
     OP_DEQUANT_PANELS = 12,
+    OP_RMS_NORM_HEADS = 13,
+    OP_GELU_TANH_AND_MUL = 14,
 };
 
 /* Where an op of `kind` holds its row count in plinth_op.a; -1: the op has none. */
@@ -62,6 +66,8 @@ static int op_rows_arg(int64_t kind) {
     case OP_WRITE_KV: return 6;
     case OP_DECODE_ATTENTION: return 7;
     case OP_GEMM_F32_PANELS: return 4;
+    case OP_RMS_NORM_HEADS: return 4;
+    case OP_GELU_TANH_AND_MUL: return 2;
     default: return -1;
     }
 }
@@ -101,6 +107,12 @@ static int run_op(const plinth_op *op) {
         return 0;
     case OP_DEQUANT_PANELS:
         return plinth_dequant_panels((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (int64_t)op->a[3], (int64_t)op->a[4]) != 0;
+    case OP_RMS_NORM_HEADS:
+        plinth_rms_norm_heads((void *)(intptr_t)op->a[0], (int64_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (int64_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], op->f[0]);
+        return 0;
+    case OP_GELU_TANH_AND_MUL:
+        plinth_gelu_tanh_and_mul((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int64_t)op->a[3]);
+        return 0;
     default: return -1;
     }
 }

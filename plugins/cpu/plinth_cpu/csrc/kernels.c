@@ -1382,15 +1382,18 @@ typedef struct {
     float *residual;
     const float *w;
     float *out;
-    int64_t H;
+    int64_t H;     /* floats per normed row */
     float eps;
+    int64_t heads; /* rows per token (1, or the heads of rms_norm_heads) */
+    int64_t sx;    /* floats from one token's rows to the next's (rows of a token are H apart) */
 } norm_ctx;
 
+/* items are rows: row t is head t % heads of token t / heads */
 static void rms_norm_range(void *p, int64_t begin, int64_t end) {
     norm_ctx *c = (norm_ctx *)p;
     int64_t H = c->H;
     for (int64_t t = begin; t < end; t++) {
-        const float *src = c->x + t * H;
+        const float *src = c->x + (t / c->heads) * c->sx + (t % c->heads) * H;
         if (c->residual) {
             float *r = c->residual + t * H;
             for (int64_t h = 0; h < H; h += 8)
@@ -1413,35 +1416,58 @@ static void rms_norm_range(void *p, int64_t begin, int64_t end) {
 /* out = x * rsqrt(mean(x^2) + eps) * w (H a multiple of 8); with residual: residual += x first and
  * the sum is normed. */
 void plinth_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H, float eps) {
-    norm_ctx c = {x, residual, w, out, H, eps};
+    norm_ctx c = {x, residual, w, out, H, eps, 1, H};
     parallel_for(rms_norm_range, &c, T, grain_for(T, 16));
+}
+
+/* out[T, Hh, D] (contiguous) = RMSNorm of each head of x [T, Hh, D] over its D values times w [D]:
+ * heads dense, tokens sx floats apart (a view of a fused QKV projection); D a multiple of 8. */
+void plinth_rms_norm_heads(const float *x, int64_t sx, const float *w, float *out, int64_t T, int64_t Hh, int64_t D,
+                           float eps) {
+    norm_ctx c = {x, NULL, w, out, D, eps, Hh, sx};
+    parallel_for(rms_norm_range, &c, T * Hh, grain_for(T * Hh, 16));
 }
 
 typedef struct {
     const float *x;
     float *out;
     int64_t I;
+    int gelu; /* 0: silu(g) = g sigmoid(g); 1: GELU's tanh form, g sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) */
 } silu_ctx;
+
+/* 2 sqrt(2 / pi): 0.5 (1 + tanh(u)) = sigmoid(2u), so GELU-tanh is g / (1 + e^(-2u)) */
+#define GELU_2C 1.5957691216057308f
 
 static void silu_range(void *p, int64_t begin, int64_t end) {
     silu_ctx *c = (silu_ctx *)p;
+    const __m256 one = _mm256_set1_ps(1.0f), k3 = _mm256_set1_ps(0.044715f), c2 = _mm256_set1_ps(-GELU_2C);
     for (int64_t t = begin; t < end; t++) {
         const float *g = c->x + t * 2 * c->I, *u = g + c->I;
         float *o = c->out + t * c->I;
         int64_t i = 0;
         for (; i + 8 <= c->I; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            __m256 arg = c->gelu ? _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k3, gv), _mm256_mul_ps(gv, gv), gv))
+                                 : _mm256_sub_ps(_mm256_setzero_ps(), gv);
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(arg)));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
         }
-        for (; i < c->I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (; i < c->I; i++) {
+            float arg = c->gelu ? -GELU_2C * (g[i] + 0.044715f * g[i] * g[i] * g[i]) : -g[i];
+            o[i] = g[i] / (1.0f + expf(arg)) * u[i];
+        }
     }
 }
 
 /* out[T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I]. */
 void plinth_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
-    silu_ctx c = {x, out, I};
+    silu_ctx c = {x, out, I, 0};
+    parallel_for(silu_range, &c, T, grain_for(T, 8));
+}
+
+/* out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:] for x [T, 2I] (Gemma 3's gated MLP). */
+void plinth_gelu_tanh_and_mul(const float *x, float *out, int64_t T, int64_t I) {
+    silu_ctx c = {x, out, I, 1};
     parallel_for(silu_range, &c, T, grain_for(T, 8));
 }
 
