@@ -14,7 +14,7 @@ from __future__ import annotations
 
 #: The suite's version: it seeds every case (with the case id) and is written into certificates,
 #: so a certificate names exactly which checks it passed.
-SUITE_VERSION = "1.5.0"
+SUITE_VERSION = "1.6.0"
 
 #: Tiers in the order they build on each other.
 TIERS: tuple[str, ...] = ("core", "extended", "perf", "collectives")

@@ -240,7 +240,8 @@ def all_ops_cases(caps: Capabilities, default_dtype: str = MANDATORY_DTYPE) -> l
     for dtype in _dtypes(caps) or [MANDATORY_DTYPE]:
         for op in ("rms_norm", "add_rms_norm"):
             cases += [OpsCase(op, dtype, "extended", magnitude=m) for m in (1e-3, 1e3)]
-        cases += [OpsCase(op, dtype, "extended", layout="strided") for op in ("rms_norm", "silu_and_mul", "rotary")]
+        strided = ("rms_norm", "silu_and_mul", "rotary", "rms_norm_heads", "gelu_tanh_and_mul")
+        cases += [OpsCase(op, dtype, "extended", layout="strided") for op in strided]
         cases.append(OpsCase("rotary", dtype, "extended", rotary_dim=32, layout="strided"))
     return base._dedupe(cases)
 

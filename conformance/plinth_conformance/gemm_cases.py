@@ -85,7 +85,8 @@ class QuantCase:
 
 @dataclass(frozen=True, slots=True)
 class OpsCase:
-    """One SmallOps call (``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary``) in one dtype."""
+    """One SmallOps call (``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary``, ``rms_norm_heads``,
+    ``gelu_tanh_and_mul``) in one dtype."""
 
     op: str
     dtype: str
@@ -143,8 +144,16 @@ def gemm_cases(caps: Capabilities, default_dtype: str) -> list[GemmCase]:
     return _dedupe(cases)
 
 
-#: The SmallOps the suite checks (``add_rms_norm`` since plugin API 1.1).
-SMALL_OPS: tuple[str, ...] = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
+#: The SmallOps the suite checks (``add_rms_norm`` since plugin API 1.1; ``rms_norm_heads`` and
+#: ``gelu_tanh_and_mul``, plugin API 1.8, since suite 1.6).
+SMALL_OPS: tuple[str, ...] = (
+    "rms_norm",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rotary",
+    "rms_norm_heads",
+    "gelu_tanh_and_mul",
+)
 
 
 def ops_cases(caps: Capabilities, default_dtype: str = MANDATORY_DTYPE) -> list[OpsCase]:

@@ -364,6 +364,28 @@ class StaleResidualBackend(_Broken):
         return _StaleResidualOps()
 
 
+class _HeadsOps(SmallOps):
+    def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        t, h, d = x.shape
+        dense = torch.as_strided(x, (t, h, d), (h * d, d, 1))  # the bug: tokens taken as H * D apart
+        return self.rms_norm(dense.reshape(t * h, d), weight, eps).view(t, h, d)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate) * up  # the bug: the erf GELU, not Gemma's tanh form
+
+
+class HeadsStrideBackend(_Broken):
+    """``rms_norm_heads`` ignores the token stride of a fused-QKV view; ``gelu_tanh_and_mul`` is the
+    erf GELU (at most ~1e-3 off the tanh form)."""
+
+    name = "broken_heads_stride"
+    api_version = (1, 8)
+
+    def small_ops(self) -> SmallOps:
+        return _HeadsOps()
+
+
 class _MoE(_Broken):
     """Declares the fused-MoE op (plugin API 1.8) in fp32, both activations, q4_1 and q8_0 experts."""
 
@@ -458,6 +480,7 @@ BROKEN: dict[str, type[_Broken]] = {
         QuantIgnoresMinBackend,
         QuantSwapsNibblesBackend,
         StaleResidualBackend,
+        HeadsStrideBackend,
         MoEOkBackend,
         MoERoundsActivationsBackend,
         MoEAlwaysRenormalizesBackend,
@@ -480,6 +503,7 @@ quant_rounds_activations = PLUGINS["quant_rounds_activations"]
 q4_1_min = PLUGINS["broken_q4_1_min"]
 nibble_order = PLUGINS["broken_nibble_order"]
 stale_residual = PLUGINS["broken_stale_residual"]
+heads_stride = PLUGINS["broken_heads_stride"]
 moe_ok = PLUGINS["moe_ok"]
 moe_rounds_activations = PLUGINS["moe_rounds_activations"]
 moe_renormalize = PLUGINS["broken_moe_renormalize"]

@@ -44,6 +44,7 @@ def _write_dist(root: Path) -> None:
         "q4_1_min",
         "nibble_order",
         "stale_residual",
+        "heads_stride",
         "moe_renormalize",
         "moe_drops_expert",
         "moe_contiguous",
@@ -209,6 +210,15 @@ def test_add_rms_norm_returning_a_stale_residual_fails(pytester: pytest.Pytester
     failed = _failures(_run(pytester, "broken_stale_residual", "core", "ops"))
     assert set(failed) == {"ops-add_rms_norm-f32"}, failed  # rms_norm, silu_and_mul, rotary still pass
     assert "[ops-add_rms_norm-f32:sum] relative error" in failed["ops-add_rms_norm-f32"]
+
+
+def test_q_k_norm_ignoring_the_token_stride_and_the_erf_gelu_fail(pytester: pytest.Pytester, broken_site: Path) -> None:
+    """Suite 1.6's cases for the API 1.8 ops: the strided per-head norm (a dense view passes) and the
+    tanh GELU, whose erf twin is at most ~1e-3 off."""
+    failed = _failures(_run(pytester, "broken_heads_stride", "extended", "ops-rms_norm_heads or ops-gelu"))
+    expected = {"ops-rms_norm_heads-f32-strided", "ops-gelu_tanh_and_mul-f32", "ops-gelu_tanh_and_mul-f32-strided"}
+    assert set(failed) == expected, failed
+    assert "relative error" in failed["ops-gelu_tanh_and_mul-f32"]
 
 
 def test_cli_exits_nonzero_and_the_printed_command_reruns_one_case(

@@ -1,4 +1,5 @@
-"""SmallOps (rms_norm, add_rms_norm, silu_and_mul, rotary) against the plain-torch defaults in fp64.
+"""SmallOps (rms_norm, add_rms_norm, silu_and_mul, rotary, and since suite 1.6 rms_norm_heads and
+gelu_tanh_and_mul) against the plain-torch defaults in fp64.
 
 Shapes are SmolLM2's: hidden 576, intermediate 1536, 9 heads of 64. The ops must not modify
 their inputs (a rotary applied in place would corrupt the query a caller still holds), with one
@@ -50,13 +51,22 @@ def _run(case: OpsCase, gen: torch.Generator) -> tuple[Callable[[SmallOps, bool]
             return o.rms_norm(x.double(), w.double(), 1e-5) if fp64 else o.rms_norm(x, w, 1e-5)
 
         return rms, [x, w]
-    if case.op == "silu_and_mul":
+    if case.op in ("silu_and_mul", "gelu_tanh_and_mul"):
         x = _laid_out(torch.randn(TOKENS, 2 * INTERMEDIATE, generator=gen).mul(2).to(dtype), case.layout)
+        op = case.op
 
-        def silu(o: SmallOps, fp64: bool) -> torch.Tensor:
-            return o.silu_and_mul(x.double() if fp64 else x)
+        def act(o: SmallOps, fp64: bool) -> torch.Tensor:
+            return getattr(o, op)(x.double() if fp64 else x)
 
-        return silu, [x]
+        return act, [x]
+    if case.op == "rms_norm_heads":  # Qwen3's q/k norm: heads of 64 dense, a token stride past them
+        x = _laid_out(torch.randn(TOKENS, HEADS, HEAD_SIZE, generator=gen).mul(3).to(dtype), case.layout)
+        w = (1 + 0.1 * torch.randn(HEAD_SIZE, generator=gen)).to(dtype)
+
+        def heads(o: SmallOps, fp64: bool) -> torch.Tensor:
+            return o.rms_norm_heads(x.double(), w.double(), 1e-6) if fp64 else o.rms_norm_heads(x, w, 1e-6)
+
+        return heads, [x, w]
     x = _laid_out(torch.randn(TOKENS, HEADS, HEAD_SIZE, generator=gen).to(dtype), case.layout)
     positions = torch.randint(0, MAX_POS, (TOKENS,), generator=gen)
     table = _cos_sin(case.rotary_dim)
