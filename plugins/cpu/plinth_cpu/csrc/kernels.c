@@ -116,10 +116,12 @@ int plinth_abi_version(void) { return PLINTH_ABI_VERSION; }
 int plinth_isa(void) { return PLINTH_AVX512 ? 3 : 2; }
 
 #if PLINTH_AVX512
-/* [x[0] x 8 | x[1] x 8]: an 8-byte load and a permute */
+/* [x[0] x 8 | x[1] x 8]: an 8-byte load (memcpy: no float read through a double pointer) and a permute */
 static inline __m512 pair_halves(const float *x) {
     const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    return _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)x))));
+    double pair;
+    memcpy(&pair, x, sizeof pair);
+    return _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(pair))));
 }
 /* the low plus the high 8 lanes */
 static inline __m256 fold_halves(__m512 v) {
