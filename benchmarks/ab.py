@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, list[float]]] = {}
     for name, fn in steps:
         for r in range(args.rounds):
-            for side in ("AB" if r % 2 == 0 else "BA"):
+            for side in "AB" if r % 2 == 0 else "BA":
                 load = os.getloadavg()[0]
                 value = fn(sides[side])
                 results.setdefault(name, {}).setdefault(side, []).append(value)

@@ -63,7 +63,8 @@ def _row(cert: dict[str, Any]) -> list[str]:
         quant,
         moe_cell,
         tiers,
-        f"{verified}: {host['cpu_model']}" + (f" ({' '.join(isa)})" if (isa := host.get("isa")) else "")
+        f"{verified}: {host['cpu_model']}"
+        + (f" ({' '.join(isa)})" if (isa := host.get("isa")) else "")
         + f", torch {host['torch']}",
         f"{cert['suite_version']}, {cert['created'][:10]}",
     ]
