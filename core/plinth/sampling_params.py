@@ -127,7 +127,9 @@ def _check_logit_bias(owner: str, value: object) -> dict[int, float] | None:
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise InvalidParameter(owner, "logit_bias", f"keys must be token ids (ints >= 0), got {key!r}")
         try:
-            checked[key] = float(check_float(owner, "logit_bias", bias, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS) or 0.0)
+            value = check_float(owner, "logit_bias", bias, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)
         except InvalidParameter as exc:
             raise InvalidParameter(owner, "logit_bias", f"the bias of token {key} {exc.problem}") from None
+        assert value is not None  # not optional: check_float returned a number
+        checked[key] = value
     return checked or None

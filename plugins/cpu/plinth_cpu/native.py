@@ -458,6 +458,11 @@ def runnable_variants(flags: set[str] | None = None) -> list[IsaVariant]:
     return [v for v in VARIANTS if flags is not None and v.cpu_flags <= flags]
 
 
+def _wanted_isa() -> str:
+    """:data:`ISA_ENV` normalised: ``auto`` when unset or empty."""
+    return os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+
+
 def choose_variant(flags: set[str] | None = None) -> tuple[IsaVariant, str]:
     """The variant to load on a CPU with ``flags``, and why; :data:`ISA_ENV` can force one.
 
@@ -465,7 +470,7 @@ def choose_variant(flags: set[str] | None = None) -> tuple[IsaVariant, str]:
     (its instructions would kill the process). Call where :func:`build_check` found a compiler."""
     flags = _cpu_flags() if flags is None else flags
     have = flags or set()
-    wanted = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    wanted = _wanted_isa()
     names = {v.name: v for v in VARIANTS}
     if wanted != "auto":
         if wanted not in names:
@@ -492,7 +497,7 @@ def _load() -> tuple[NativeKernels | None, str]:
     try:
         kernels = NativeKernels(build(compiler, variant), variant)
     except (NativeBuildError, OSError) as e:
-        if variant is AVX2 or os.environ.get(ISA_ENV, "auto").strip().lower() not in ("", "auto"):
+        if variant is AVX2 or _wanted_isa() != "auto":  # nothing to fall back to, or forced
             return None, f"native kernels failed to build or load: {e}"
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         try:  # an older compiler without the ISA: the AVX2 build still runs
