@@ -7,7 +7,7 @@ returns the sampled tokens keyed by the ``SequenceId`` each sample names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,6 +19,9 @@ from plinth.runtime.static import StaticSteps, decode_first
 from plinth.sampling_params import SamplingParams
 from plinth.sched.output import ScheduledChunk, SchedulerOutput
 from plinth.sched.request import Sample, SequenceId
+
+if TYPE_CHECKING:
+    from plinth.structured.masks import StepMasks
 
 
 @dataclass(slots=True)
@@ -125,8 +128,14 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput[SamplingParams]) -> dict[SequenceId, SampleResult]:
-        """Run the step; return one result per sample of the step, keyed by the sample's sequence id."""
+    def execute(
+        self, out: SchedulerOutput[SamplingParams], masks: StepMasks | None = None
+    ) -> dict[SequenceId, SampleResult]:
+        """Run the step; return one result per sample of the step, keyed by the sample's sequence id.
+
+        ``masks``: the allowed tokens of the step's constrained samples (structured output), being
+        filled while the forward runs; the sampler applies them.
+        """
         for seq_id in out.finished_seq_ids:
             self.sampler.forget(seq_id)
         if out.block_copies:
@@ -145,7 +154,7 @@ class ModelRunner:
             if not sampling:
                 return {}
             logits = rows if len(sampling) == len(scheduled) else rows[torch.tensor(sampling)]
-            return self._sample(logits, scheduled, sampling)
+            return self._sample(logits, scheduled, sampling, masks)
         if graphs is not None and self._graph_step(out, graphs):
             hidden = graphs.run(
                 [s.token_ids[0] for s in scheduled],
@@ -162,10 +171,14 @@ class ModelRunner:
                 return {}
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
             last = hidden.index_select(0, idx)
-        return self._sample(self.model.compute_logits(last), scheduled, sampling)  # logits [S, V]
+        return self._sample(self.model.compute_logits(last), scheduled, sampling, masks)  # logits [S, V]
 
     def _sample(
-        self, logits: torch.Tensor, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]
+        self,
+        logits: torch.Tensor,
+        scheduled: list[ScheduledChunk[SamplingParams]],
+        sampling: list[int],
+        masks: StepMasks | None = None,
     ) -> dict[SequenceId, SampleResult]:
         """Sample every sample of the chunks ``sampling`` indexes; row j of ``logits`` is chunk ``sampling[j]``'s."""
         if not self.sample:
@@ -176,5 +189,5 @@ class ModelRunner:
             for sample in scheduled[i].samples:
                 samples.append(sample)
                 logits_rows.append(j)
-        results = self.sampler.sample(logits, samples, logits_rows)
+        results = self.sampler.sample(logits, samples, logits_rows, masks)
         return {sample.seq_id: result for sample, result in zip(samples, results, strict=True)}

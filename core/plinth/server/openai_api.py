@@ -110,6 +110,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = body.sampling_params(max_tokens, body.logprobs)
     if params.logit_bias:
         st.check_token_ids(list(params.logit_bias), "logit_bias")
+    if (constraint := body.structured()) is not None:
+        await st.check_structured(*constraint)
     prompt_ids: list[list[int]] = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
@@ -227,6 +229,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = body.sampling_params(max_tokens, logprobs)
     if params.logit_bias:
         st.check_token_ids(list(params.logit_bias), "logit_bias")
+    if (constraint := body.structured()) is not None:
+        await st.check_structured(*constraint)
     prompt = await st.chat_prompt(body.template_messages(), "messages", body.add_generation_prompt)
     st.check_context(len(prompt), max_tokens, "messages", body.max_tokens_param)
     base = f"chatcmpl-{uuid.uuid4().hex}"

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from plinth.model.tokenizer import check_text
-from plinth.sampling_params import MAX_LOGPROBS, SamplingParams
+from plinth.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from plinth.server.errors import APIError, invalid_parameter
 from plinth.validation import InvalidParameter
 
@@ -58,6 +58,45 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Bool = Field(False, description="accepted and ignored")
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is always honoured here)."""
+
+    name: Text = Field("response", max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="the JSON schema")
+    strict: Bool | None = Field(None, description="accepted; the schema is always enforced")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only read with type 'json_schema', not {self.type!r}")
+        return self
+
+
+class StructuredOutputsFields(_Strict):
+    """``structured_outputs`` (plinth's extra, vLLM's name): exactly one constraint."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json", description="a JSON schema")
+    json_object: Bool = False
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, max_length=1024)
+    grammar: Text | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+    whitespace: Literal["compact", "flexible"] = "compact"
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class SamplingFields(_Strict):
     """Sampling fields shared by completions and chat: OpenAI's, then plinth's extras."""
 
@@ -88,6 +127,37 @@ class SamplingFields(_Strict):
     stop_token_ids: list[Int] | None = Field(None, max_length=1024)
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
+    structured_outputs: StructuredOutputsFields | None = Field(
+        None, description="plinth's extra: one of json, json_object, regex, choice, grammar"
+    )
+
+    def structured(self) -> tuple[StructuredOutputs, str] | None:
+        """The constraint the request asks for and the field it came from; None for plain text."""
+        rf = self.response_format
+        if rf is not None and rf.type != "text" and self.structured_outputs is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                spec = StructuredOutputs(
+                    json=so.json_,
+                    json_object=so.json_object,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    whitespace=so.whitespace,
+                )
+                return spec, "structured_outputs"
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputs(json_object=True), "response_format"
+            assert rf.json_schema is not None
+            return StructuredOutputs(json=rf.json_schema.schema_), "response_format"
+        except InvalidParameter as exc:
+            field = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise APIError(400, f"{field}: {exc.problem}", param=field) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; a rejected value is a 400 naming the field."""
@@ -101,6 +171,7 @@ class SamplingFields(_Strict):
             "logprobs": logprobs,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "structured": (spec[0] if (spec := self.structured()) else None),
         }
         optional = {
             "temperature": self.temperature,
@@ -297,7 +368,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     tool_choice: Text | dict[str, Any] | None = Field(None, description="only 'none'")
     parallel_tool_calls: Bool | None = Field(None, description="accepted and ignored (no tools)")
@@ -316,8 +386,6 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         if self.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them (``developer`` is a system message)."""
