@@ -102,11 +102,14 @@ def test_regex_and_choice(client: openai.OpenAI) -> None:
     assert chat.choices[0].message.content in ("yes", "no", 'it "depends"')
 
 
+UNIQUE = {"type": "array", "uniqueItems": True}
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": True}}}},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": UNIQUE}}},
             "response_format",
             "uniqueItems",
         ),
