@@ -69,8 +69,8 @@ class Sampler:
         logits = logits.float()
         if logits_rows != list(range(logits.shape[0])):  # n > 1 repeats rows; else the logits are in order
             logits = logits.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=logits.device))  # [S, V]
-        elif any(r.params.changes_logits for r in rows):
-            logits = logits.clone()  # penalties and biases write rows in place: never into the caller's tensor
+        elif masks is not None or any(r.params.changes_logits for r in rows):
+            logits = logits.clone()  # penalties, biases and masks write rows in place: never the caller's tensor
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)

@@ -125,11 +125,12 @@ class StructuredOutputs:
         return StepMasks(rows, self._pool.submit(self._fill, matchers, bitmask), self)
 
     def _fill(self, matchers: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> torch.Tensor:
-        from llguidance.torch import fill_next_token_bitmask_par
-
+        # llguidance.torch's fill_next_token_bitmask_par does this, but importing that module
+        # scripts a TorchScript kernel (a deprecation warning) that plinth does not use
         start = time.perf_counter()
-        assert self._executor is not None
-        fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        assert self._executor is not None and bitmask.is_contiguous()
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, rows)
         self.fill_seconds += time.perf_counter() - start
         return bitmask
 
