@@ -189,5 +189,5 @@ class ModelRunner:
             for sample in scheduled[i].samples:
                 samples.append(sample)
                 logits_rows.append(j)
-        results = self.sampler.sample(logits, samples, logits_rows, masks)
+        results = self.sampler.sample(logits, samples, logits_rows, masks, writable=True)  # the step's own logits
         return {sample.seq_id: result for sample, result in zip(samples, results, strict=True)}

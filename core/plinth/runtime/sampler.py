@@ -60,16 +60,19 @@ class Sampler:
         rows: Sequence[Sample[SamplingParams]],
         logits_rows: list[int],
         masks: StepMasks | None = None,
+        writable: bool = False,
     ) -> list[SampleResult]:
         """``logits`` [L, V] -> one result per sample; sample ``i`` reads logits row ``logits_rows[i]``
         (the ``n`` samples of a fork read the same row). A seeded sample draws from the generator
         of its ``seq_id``, made from its seed the first time and kept until :meth:`forget`.
         ``masks`` holds the allowed tokens of the constrained samples (structured output), applied
-        after penalties and biases, before temperature and the filters."""
+        after penalties and biases, before temperature and the filters. ``writable``: the caller
+        reads ``logits`` no more (the runner's own logits), so penalties, biases and masks rewrite
+        its rows in place instead of in a copy (a [S, V] copy is a parallel region on the pool)."""
         logits = logits.float()
         if logits_rows != list(range(logits.shape[0])):  # n > 1 repeats rows; else the logits are in order
             logits = logits.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=logits.device))  # [S, V]
-        elif masks is not None or any(r.params.changes_logits for r in rows):
+        elif not writable and (masks is not None or any(r.params.changes_logits for r in rows)):
             logits = logits.clone()  # penalties, biases and masks write rows in place: never the caller's tensor
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
@@ -121,7 +124,6 @@ class Sampler:
                     result.top_logprobs = []
             results.append(result)
         return results
-
 
     def _mask(self, logits: torch.Tensor, rows: Sequence[Sample[SamplingParams]], masks: StepMasks) -> None:
         """Forbid, in place, the tokens each constrained row's grammar does not allow now."""
