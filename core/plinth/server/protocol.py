@@ -25,6 +25,7 @@ from pydantic import (
 from plinth.model.tokenizer import check_text
 from plinth.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from plinth.server.errors import APIError, invalid_parameter
+from plinth.tools import Tool, call_constraint
 from plinth.validation import InvalidParameter
 
 # torch generators take seeds in [-2**63, 2**64): a larger one would fail inside the engine step
@@ -359,6 +360,33 @@ class ChatMessage(_Strict):
         return msg
 
 
+class FunctionDefinition(_Strict):
+    """A function the model may call: OpenAI's ``tools[].function``."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON schema")
+    strict: Bool | None = Field(None, description="accepted; required and named calls are always enforced")
+
+
+class ChatTool(_Strict):
+    """``tools[]``: a function tool."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
@@ -368,9 +396,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
-    tool_choice: Text | dict[str, Any] | None = Field(None, description="only 'none'")
-    parallel_tool_calls: Bool | None = Field(None, description="accepted and ignored (no tools)")
+    tools: list[ChatTool] | None = Field(None, max_length=128, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: 'auto' with tools, 'none' without"
+    )
+    parallel_tool_calls: Bool = Field(True, description="False: at most one call per reply")
     reasoning_effort: Text | None = Field(None, description="accepted and ignored")
 
     @field_validator("top_logprobs")
@@ -382,10 +412,46 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         """Raise a 400 for OpenAI features plinth does not implement."""
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported", param="tool_choice")
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: two tools have the same name", param="tools")
+        if choice is not None and choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(
+                400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
+            )
+        if self.call_mode in ("required", "named") and self.structured() is not None:
+            raise APIError(
+                400, "a required tool call is a constraint of its own: drop response_format", param="tool_choice"
+            )
+
+    @property
+    def tool_list(self) -> list[Tool]:
+        """The request's tools (none when ``tool_choice`` is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [Tool(t.function.name, t.function.description, t.function.parameters) for t in self.tools]
+
+    @property
+    def call_mode(self) -> str:
+        """ "none", "auto", "required" or "named" (a function given by name)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def call_constraint(self) -> StructuredOutputs | None:
+        """The grammar a required or named call imposes on the reply; None otherwise."""
+        mode = self.call_mode
+        if mode == "required":
+            return call_constraint(self.tool_list, parallel=self.parallel_tool_calls)
+        if mode == "named":
+            assert isinstance(self.tool_choice, NamedToolChoice)
+            return call_constraint(self.tool_list, name=self.tool_choice.function.name)
+        return None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them (``developer`` is a system message)."""
@@ -427,10 +493,11 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply: its text (None when it is only tool calls) and its calls."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

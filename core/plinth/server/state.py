@@ -164,11 +164,18 @@ class ServerState:
         return text
 
     async def chat_prompt(
-        self, messages: list[dict[str, Any]], param: str = "messages", add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        param: str = "messages",
+        add_generation_prompt: bool = True,
+        template_vars: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Render ``messages`` with the chat template and tokenize them, both off the event loop."""
+        """Render ``messages`` with the chat template and tokenize them, both off the event loop;
+        ``template_vars``: extra template variables (``tools``)."""
         text: str = await asyncio.to_thread(
-            self.tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt
+            lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **(template_vars or {})
+            )
         )
         return await self.encode(text, param, add_special_tokens=False)
 
