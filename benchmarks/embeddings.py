@@ -4,11 +4,15 @@
 
 Each side runs in its own process with ``PYTHONPATH=<checkout>/core`` (the same interpreter, so the
 same torch), alternating A B B A ... so the drift of a shared machine favours neither; each figure is
-the median of its rounds. Per process: the default SmolLM2-135M model, fp32 weights, the cpu backend,
-2 threads; a warm-up, then generation throughput (16 requests of 32 prompt tokens, 64 new tokens
-each, EOS ignored), batch-1 decode (64 new tokens), and on a side that has ``LLM.embed`` embedding
-throughput (64 fresh inputs of 32 random tokens, last and mean pooling; the default 1024-token step
-budget, so two steps of 32 inputs each).
+the median of its rounds. Each process also reports its CPU seconds (less sensitive than wall time
+to other work on a shared machine) and the scheduler's own microseconds per decode step of 64
+requests (no model: the part of a step the change touches most).
+
+Per process: the default SmolLM2-135M model, fp32 weights, the cpu backend, 2 threads; a warm-up,
+then generation throughput (16 requests of 32 prompt tokens, 64 new tokens each, EOS ignored),
+batch-1 decode (64 new tokens), and on a side that has ``LLM.embed`` embedding throughput (64 fresh
+inputs of 32 random tokens, last and mean pooling; the default 1024-token step budget, so two steps
+of 32 inputs each).
 """
 
 from __future__ import annotations
@@ -28,14 +32,34 @@ THREADS = 2
 _WORKER = r"""
 import json, random, sys, time
 from plinth import LLM, SamplingParams
+from plinth.sched.request import Request, StopCriteria
+from plinth.sched.scheduler import Scheduler
+
+def sched_step_us():
+    # the scheduler's own cost per step: 64 running requests decoding, no model (best of 3 x 500 steps)
+    best = float("inf")
+    for _ in range(3):
+        s = Scheduler(num_blocks=8192, block_size=16, max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=4096)
+        for i in range(64):
+            prompt = list(range(i * 100, i * 100 + 32))
+            s.add_request(Request(f"r{i}", prompt, StopCriteria(max_tokens=4000), params=None))
+        out = s.schedule(); s.update(out, {x.seq_id: 5 for x in out.scheduled if x.samples})
+        t = time.perf_counter()
+        for _ in range(500):
+            out = s.schedule(); s.update(out, {x.seq_id: 5 for x in out.scheduled})
+        best = min(best, (time.perf_counter() - t) / 500 * 1e6)
+    return best
+
 llm = LLM(backend="cpu", dtype="float32", quantization="none", num_threads=THREADS, max_model_len=512)
 rng = random.Random(0)
 prompts = [[rng.randrange(1000, 20000) for _ in range(32)] for _ in range(64)]
 gen = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
-out = {}
-t = time.perf_counter(); llm.generate(prompts[:16], gen); out["gen_tok_s"] = 16 * 64 / (time.perf_counter() - t)
-t = time.perf_counter(); llm.generate(prompts[16], gen); out["decode_tok_s"] = 64 / (time.perf_counter() - t)
+out = {"sched_step_us": sched_step_us()}
+t, c = time.perf_counter(), time.process_time(); llm.generate(prompts[:16], gen)
+out["gen_tok_s"] = 16 * 64 / (time.perf_counter() - t); out["gen_cpu_s"] = time.process_time() - c
+t, c = time.perf_counter(), time.process_time(); llm.generate(prompts[16], gen)
+out["decode_tok_s"] = 64 / (time.perf_counter() - t); out["decode_cpu_s"] = time.process_time() - c
 if hasattr(llm, "embed"):
     llm.embed([[rng.randrange(1000, 20000) for _ in range(32)] for _ in range(4)])
     for pooling in ("last", "mean"):  # fresh inputs each time: no prefix-cache hits
