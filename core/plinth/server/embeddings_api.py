@@ -17,14 +17,14 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from plinth.pooling_params import PoolingParams
 from plinth.runtime.embeddings import check_dimensions
 from plinth.runtime.engine import InvalidRequest
 from plinth.server.errors import APIError
 from plinth.server.openapi import ERRORS
-from plinth.server.protocol import Bool, Int, Text, _Strict
+from plinth.server.protocol import Bool, Int, Text
 from plinth.server.state import engine_outputs, get_state
 from plinth.server.streams import ClientDisconnected, Streams, collect
 
@@ -34,8 +34,13 @@ router = APIRouter()
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(_Strict):
-    """``POST /v1/embeddings``: one input or a batch (strings, token ids, or lists of token ids)."""
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: one input or a batch (strings, token ids, or lists of token ids).
+
+    Unknown fields are refused (a 400 naming them), as on every plinth request.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     input: Text | list[Text] | list[Int] | list[list[Int]] = Field(..., description="one input or a batch")
     model: Text | None = Field(None, description="a served model name; omitted: the default one")
