@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(messages)``.
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, ``.chat(messages)`` and
+``.embed(inputs)``.
 
 The prompt forms are vLLM's, since users port code from it: a string, a list of token ids, a
 ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` dict, or a list of any of these. Anything
@@ -15,8 +16,9 @@ from typing import Any, TypedDict
 
 from plinth.config import EngineConfig
 from plinth.platform.host import PluginHost
+from plinth.pooling_params import PoolingParams
 from plinth.runtime.engine import InvalidRequest, LLMEngine
-from plinth.runtime.outputs import RequestOutput
+from plinth.runtime.outputs import EmbeddingOutput, RequestOutput
 from plinth.sampling_params import SamplingParams
 
 
@@ -105,6 +107,49 @@ class LLM:
         conversations = _conversations(messages)
         prompt_list: list[str | list[int]] = [self._encode_chat(conv, add_generation_prompt) for conv in conversations]
         return self._generate(prompt_list, _param_list(params, len(prompt_list)), on_output, "messages")
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingOutput]:
+        """Embed every input, batched continuously (with any generation in the engine); outputs in
+        input order.
+
+        The vector pools the final hidden states (after the model's final norm, before the LM
+        head) in float32; see :class:`~plinth.pooling_params.PoolingParams`.
+
+        :param prompts: one input or a list of them, in the forms :meth:`generate` takes (a str, a
+            list of token ids, a list of either).
+        :param pooling: ``"last"`` (the final token's hidden state) or ``"mean"`` (the average over
+            every token).
+        :param normalize: scale each vector to unit L2 norm.
+        :param dimensions: keep the first ``dimensions`` values; only for a model whose config
+            declares Matryoshka dimensions (else anything but the full hidden size is refused).
+        :raises TypeError: an input of the wrong type (the message names which one).
+        :raises plinth.validation.InvalidParameter: a bad ``pooling``, ``normalize`` or ``dimensions``.
+        :raises plinth.runtime.engine.InvalidRequest: an input is refused (empty, too long, ids outside
+            the vocabulary, a truncation the model does not allow); none of this call's inputs run.
+        """
+        prompt_list = _prompt_list(prompts)
+        params = PoolingParams(pooling=pooling, normalize=normalize, dimensions=dimensions)
+        ids = [f"embd-{next(self._ids)}" for _ in prompt_list]
+        try:
+            for i, (rid, prompt) in enumerate(zip(ids, prompt_list, strict=True)):
+                try:
+                    self.engine.add_embedding_request(rid, prompt, params)
+                except InvalidRequest as exc:
+                    if len(prompt_list) == 1:
+                        raise
+                    raise InvalidRequest(f"prompts[{i}]: {exc}") from exc
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        outs = self._run(ids, None)
+        return [EmbeddingOutput(list(o.embedding or ()), len(o.prompt_token_ids)) for o in outs]
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids :meth:`chat` sends for one conversation (to count or trim it first).

@@ -134,6 +134,9 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the rotary base of sliding layers (None: rope_theta)
     final_logit_softcap: float | None = None
     moe: MoEConfig | None = None
+    #: the embedding sizes the model was trained to be truncated to (config.json's
+    #: ``matryoshka_dimensions``); empty for a plain decoder LM, whose embeddings are not truncated
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -226,6 +229,7 @@ class ModelConfig:
             rope_local_theta=local_theta,
             final_logit_softcap=_positive(cfg.get("final_logit_softcapping")),
             moe=_hf_moe(cfg, architecture, num_layers, source),
+            matryoshka_dimensions=tuple(int(d) for d in cfg.get("matryoshka_dimensions") or ()),
         )
 
     # -- GGUF metadata -----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The engine: one model on one backend, stepping a continuous batch of requests.
 
-``add_request`` validates and queues; ``step`` runs one scheduled batch and returns the outputs of
-the requests that advanced. Hooks were resolved when the engine was built; the step loop only calls
-the scheduler, the runner and the detokenizer.
+``add_request`` (and ``add_embedding_request``) validates and queues; ``step`` runs one scheduled
+batch and returns the outputs of the requests that advanced. Hooks were resolved when the engine was
+built; the step loop only calls the scheduler, the runner and the detokenizer.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from plinth.parallel.comm import CollectiveError
 from plinth.parallel.executor import Executor, WorkerFailure, WorkerSetup, default_threads, make_executor
 from plinth.platform.backend import DeviceServices, StepBuckets, torch_dtype
 from plinth.platform.host import PluginHost, default_host
+from plinth.pooling_params import PoolingParams
+from plinth.runtime.embeddings import EmbeddingRequests
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, load_parts
@@ -194,6 +196,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         #: grammars and matchers of the constrained requests (llguidance is loaded at the first one)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self._embeddings = EmbeddingRequests()
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "engine ready on %s in %.1fs: %d KV blocks of %d tokens, dtype %s",
@@ -281,7 +284,7 @@ class LLMEngine:
             running requests are unaffected.
         """
         params = params or SamplingParams()
-        if request_id in self._groups:
+        if request_id in self._groups or request_id in self._embeddings:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -340,6 +343,33 @@ class LLMEngine:
             raise InvalidRequest(str(exc)) from exc
         self._groups[request_id] = group
 
+    def add_embedding_request(
+        self, request_id: str, prompt: str | list[int], params: PoolingParams | None = None
+    ) -> None:
+        """Validate and queue an embedding request: its prompt is computed like any prompt's
+        (batched with generation, chunked), nothing is sampled, and one finished output with
+        ``embedding`` set comes from ``step()`` once the prompt is computed.
+
+        :raises InvalidRequest: as for :meth:`add_request` (a prompt may fill the whole context
+            here), a ``dimensions`` the model does not allow, or an engine that cannot pool
+            (static-shape steps, pipeline parallelism). Nothing is queued then.
+        """
+        params = params or PoolingParams()
+        if request_id in self._groups or request_id in self._embeddings:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if self.static is not None or isinstance(self.runner, PipelineRunner):
+            # the static path returns logits rows only; a pipeline's hidden states end on the last stage
+            raise InvalidRequest(
+                "embeddings need an eager or step-graph runner: not with static-shape steps or pipeline parallelism yet"
+            )
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        request = self._embeddings.make(request_id, ids, params, self.model_config, self.max_model_len)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        self._embeddings.add(request, text, params)
+
     def _add_sequence(self, group: _Group, index: int) -> _Sequence:
         seq = _Sequence(
             index=index,
@@ -353,23 +383,24 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its sequences; their KV blocks return to the pool at once."""
-        if self._groups.pop(request_id, None) is not None:
-            self.structured.forget(request_id)
+        self.structured.forget(request_id)
+        if self._groups.pop(request_id, None) is not None or self._embeddings.discard(request_id):
             self.scheduler.finish(EngineFinishes(aborted=[request_id]))
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
-        return bool(self._groups)
+        return bool(self._groups or self._embeddings)
 
     def abort_all(self) -> list[str]:
         """Abort every request, also after a ``step()`` that raised midway, so the engine takes new ones.
 
         :return: the ids of the requests aborted.
         """
-        ids = list(self._groups)
+        ids = list(self._groups) + self._embeddings.ids()
         for request_id in ids:
             self.abort_request(request_id)
         self.scheduler.abort_all()  # also forgets the step that never reached update()
+        self.runner.pooler.take()  # and any vector that half-done step pooled
         return ids
 
     # -- the step loop -----------------------------------------------------------------------------
@@ -384,9 +415,11 @@ class LLMEngine:
             return []
         started = time.monotonic()
         for chunk in sched_out.scheduled:  # queue time ends at a request's first scheduled step
-            group = self._groups.get(chunk.seq_id.request_id)
-            if group is not None and group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = started
+            rid = chunk.seq_id.request_id
+            group = self._groups.get(rid)
+            metrics = group.metrics if group is not None else self._embeddings.metrics(rid)
+            if metrics is not None and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = started
         if self.fatal is not None:
             raise self.fatal
         masks = None
@@ -430,6 +463,8 @@ class LLMEngine:
             outputs.append(output)
             if output.finished:
                 self._release(group)
+        if self._embeddings:  # the embedding requests whose prompt this step completed
+            outputs += self._embeddings.outputs(self.runner.pooler.take())
         return outputs
 
     def _observe(

@@ -1,4 +1,5 @@
-"""What the engine hands back: per-request outputs with text, token ids, logprobs and metrics."""
+"""What the engine hands back: per-request outputs with text, token ids, logprobs and metrics (or,
+for an embedding request, its vector)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,10 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The state of one request after a step: all its completions so far."""
+    """The state of one request after a step: all its completions so far.
+
+    An embedding request has one output, finished, with no completions and its ``embedding``.
+    """
 
     request_id: str
     prompt: str | None
@@ -76,3 +80,16 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    embedding: list[float] | None = None  # an embedding request's vector (float32 values)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's embedding, as ``LLM.embed`` returns it.
+
+    ``embedding``: the pooled vector (float32 values as Python floats; unit L2 norm when normalised);
+    ``num_prompt_tokens``: the tokens the input counted (its usage).
+    """
+
+    embedding: list[float]
+    num_prompt_tokens: int

@@ -14,6 +14,7 @@ import torch
 from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
 from plinth.runtime.graphs import DecodeGraphs
+from plinth.runtime.pooler import Pooler
 from plinth.runtime.sampler import Sampler, SampleResult
 from plinth.runtime.static import StaticSteps, decode_first
 from plinth.sampling_params import SamplingParams
@@ -75,6 +76,8 @@ class ModelRunner:
         self.device = services.device
         self.block_size = block_size
         self.sampler = sampler or Sampler()
+        #: embedding requests' vectors, pooled from the hidden states; the engine takes them after the step
+        self.pooler = Pooler()
 
     def prepare(self, scheduled: list[ScheduledChunk[SamplingParams]]) -> BatchInputs:
         """Build the step's tensors from the scheduler's value objects (in the order given)."""
@@ -138,6 +141,7 @@ class ModelRunner:
         """
         for seq_id in out.finished_seq_ids:
             self.sampler.forget(seq_id)
+            self.pooler.forget(seq_id)
         if out.block_copies:
             if self.static is not None:
                 self.static.copy_blocks(out.block_copies, self.attention.copy_blocks)
@@ -146,6 +150,8 @@ class ModelRunner:
         # the contract's order (API 1.5): decodes, prefills, other chunks; results go by sequence id
         scheduled = decode_first(out.scheduled)
         sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]
+        # embedding requests' chunks (the engine refuses them on the static path); rank 0 pools
+        pooling = [i for i, s in enumerate(scheduled) if s.pool is not None] if self.sample else []
         graphs = self.graphs
         if self.static is not None:
             if not scheduled:
@@ -161,12 +167,16 @@ class ModelRunner:
                 [s.start_position for s in scheduled],
                 [s.block_ids for s in scheduled],
             )  # [B, hidden]: one row per sequence
+            if pooling:
+                self.pooler.pool(hidden, scheduled, pooling)
             if not sampling:
                 return {}
             last = hidden if len(sampling) == len(scheduled) else hidden[torch.tensor(sampling, device=self.device)]
         else:
             batch = self.prepare(scheduled)
             hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+            if pooling:
+                self.pooler.pool(hidden, scheduled, pooling)
             if not sampling:
                 return {}
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic
 
-from plinth.sched.request import P, Sample, SequenceId
+from plinth.sched.request import P, Pool, Sample, SequenceId
 
 
 @dataclass(slots=True)
@@ -22,7 +22,8 @@ class ScheduledChunk(Generic[P]):
     the slots ``block_ids`` gives. ``samples`` lists the tokens to sample from the logits of the last
     scheduled token: none for a prefill chunk that does not reach the end of the known tokens, the
     sequence's own sample normally, and ``n`` (sequence ids ``(request_id, 0 .. n-1)``) the first
-    time a request with ``n`` > 1 samples: it then forks into those sequences.
+    time a request with ``n`` > 1 samples: it then forks into those sequences. An embedding
+    request's chunk samples nothing and names its ``pool`` instead (None for every other chunk).
     """
 
     seq_id: SequenceId
@@ -30,6 +31,7 @@ class ScheduledChunk(Generic[P]):
     start_position: int
     block_ids: list[int]
     samples: tuple[Sample[P], ...]
+    pool: Pool | None = None
 
     @property
     def num_samples(self) -> int:

@@ -50,6 +50,26 @@ class RequestStatus(enum.Enum):
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
+class Pooling(enum.Enum):
+    """How an embedding request's prompt becomes one vector (the runner pools; the scheduler only
+    needs to know that MEAN must compute every prompt token: no prefix-cache hits for it)."""
+
+    LAST = "last"  # the final prompt token's hidden state
+    MEAN = "mean"  # the average over every prompt token's
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """What the runner does with an embedding request's chunk, in place of sampling.
+
+    ``final``: the chunk ends the prompt, so the embedding is complete after this step (and the
+    scheduler finishes the request in ``update``).
+    """
+
+    pooling: Pooling
+    final: bool
+
+
 @dataclass(slots=True)
 class StopCriteria:
     """The stop conditions the scheduler checks itself (stop strings need text: the engine's job)."""
@@ -86,6 +106,10 @@ class Request(Generic[P]):
     scheduled alone until its prompt is computed, then forked into ``n`` sequences that share the
     prompt's blocks and its ``request_id``; ``sample_index`` tells them apart, and ``seq_id`` names
     each. ``seed`` (None: unseeded) is the request's; sample ``k`` seeds with ``seed + k``.
+
+    An *embedding request* (``pooling`` set) samples nothing: its chunks carry a :class:`Pool`
+    instead of samples, it holds only its prompt's blocks, and it finishes (``FINISHED_STOPPED``)
+    in the ``update`` after its last prompt token was computed.
     """
 
     request_id: str
@@ -102,6 +126,7 @@ class Request(Generic[P]):
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     forked: bool = False  # True once forked into n sequences (and for the forks): never fork again
+    pooling: Pooling | None = field(default=None, kw_only=True)  # set: an embedding request
     seq_id: SequenceId = field(init=False)
     samples: tuple[Sample[P]] = field(init=False)  # the one sample it takes each step, built once
 

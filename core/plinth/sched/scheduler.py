@@ -21,7 +21,7 @@ from typing import Generic
 from plinth.sched.kv_cache_manager import KVCacheManager
 from plinth.sched.output import EngineFinishes, ScheduledChunk, SchedulerOutput
 from plinth.sched.phase import DECODE, AlternatingPhases, MixedBatches, Phase, PhasePolicy, has_decode_work
-from plinth.sched.request import P, Request, RequestStatus, Sample, SequenceId
+from plinth.sched.request import P, Pool, Request, RequestStatus, Sample, SequenceId
 
 
 def _token_slice(request: Request[P], start: int, end: int) -> list[int]:
@@ -130,18 +130,25 @@ class Scheduler(Generic[P]):
         Raises ValueError for an empty prompt, a prompt of ``max_model_len`` tokens or more, a
         request id in use (by any unfinished sequence of an earlier request), ``max_tokens`` < 1,
         ``n`` outside ``1..max_num_seqs``, or a ``sample_index`` other than 0 (forks are the
-        scheduler's to make).
+        scheduler's to make). An embedding request generates nothing: its prompt may fill the
+        context, its ``max_tokens`` is not read, and its ``n`` must be 1.
         """
         rid = request.request_id
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError(f"request {rid!r} has an empty prompt")
-        if num_prompt >= self.max_model_len:
+        if request.pooling is not None:
+            if num_prompt > self.max_model_len or request.n != 1:
+                raise ValueError(
+                    f"embedding request {rid!r}: needs n=1 and at most max_model_len={self.max_model_len} "
+                    f"tokens; got n={request.n}, {num_prompt} tokens"
+                )
+        elif num_prompt >= self.max_model_len:
             raise ValueError(
                 f"request {rid!r}: prompt of {num_prompt} tokens leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        if request.stop.max_tokens < 1:
+        elif request.stop.max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.stop.max_tokens}")
         if not 1 <= request.n <= self.max_num_seqs:
             raise ValueError(f"request {rid!r}: n={request.n} must be in 1..max_num_seqs={self.max_num_seqs}")
@@ -271,7 +278,7 @@ class Scheduler(Generic[P]):
     def _samples(request: Request[P], end: int) -> tuple[Sample[P], ...]:
         """Samples to take after computing up to ``end``: none mid-prompt, ``n`` at a fork, else the
         sequence's own (built once: no allocation in the common case)."""
-        if end < request.num_tokens:
+        if end < request.num_tokens or request.pooling is not None:
             return ()
         if request.n > 1 and not request.forked:
             return request.samples + tuple(request.make_sample(k) for k in range(1, request.n))
@@ -321,7 +328,8 @@ class Scheduler(Generic[P]):
         #    budget) stays waiting and blocks the queue behind it: no preemption on its behalf.
         # A chunk that reaches num_tokens samples: 1 token, or n the first time a request with n > 1
         # gets there (update() forks it into the sequences its samples name). num_computed_tokens
-        # advances here, optimistically.
+        # advances here, optimistically. An embedding request is a prompt that samples nothing:
+        # its chunks name a Pool instead, and update() finishes it after its final chunk ran.
         # Without mixed batches, steps 1 and 2 run in one phase (plinth.sched.phase): a decode step
         # takes only running requests with 1 token left and admits nobody; a prefill step takes
         # only running requests with more left, then admits as in 2. Others are skipped, never
@@ -433,6 +441,7 @@ class Scheduler(Generic[P]):
             start_position=start,
             block_ids=block_ids,
             samples=self._samples(request, end),
+            pool=None if request.pooling is None else Pool(request.pooling, end >= request.num_tokens),
         )
 
     def update(self, output: SchedulerOutput[P], sampled: Mapping[SequenceId, int]) -> list[Request[P]]:
@@ -459,6 +468,10 @@ class Scheduler(Generic[P]):
             kv.cache_computed_blocks(request)  # the step ran: these blocks are computed now
             samples = s.samples
             if not samples:
+                if s.pool is not None and s.pool.final:  # an embedding request's prompt is computed: done
+                    changed.append(request)
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    any_finished = True
                 continue
             token = _sampled_token(sampled, request.seq_id)
             group = [request]

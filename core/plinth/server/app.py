@@ -1,6 +1,7 @@
 """The FastAPI application: the small routes (models, health, version, metrics, tokenize,
 detokenize) and :func:`build_app`, which puts them together with the generation routes of
-``openai_api`` and ``anthropic_api``, the request gate and the error handlers.
+``openai_api`` and ``anthropic_api`` and the embeddings route of ``embeddings_api``, the request gate
+and the error handlers.
 
 Every route but ``/health`` and ``/version`` needs the API key when one is set (``/metrics`` too,
 unless ``--public-metrics``): the tokenizer routes do real work for whoever calls them.
@@ -18,6 +19,7 @@ from fastapi.responses import Response
 import plinth
 from plinth.server.anthropic_api import router as anthropic_router
 from plinth.server.async_engine import AsyncEngine
+from plinth.server.embeddings_api import router as embeddings_router
 from plinth.server.errors import install_error_handlers
 from plinth.server.gate import RequestGate
 from plinth.server.metrics import ServerMetrics
@@ -143,6 +145,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, on_start: Any = Non
     install_error_handlers(app)
     app.include_router(protected)
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
+    app.include_router(embeddings_router, dependencies=[Depends(require_api_key)])
     app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])
     app.include_router(public)
     app.add_middleware(RequestGate, state=lambda: state)

@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from plinth.pooling_params import PoolingParams
 from plinth.runtime.engine import InvalidRequest
 from plinth.runtime.outputs import RequestOutput
 from plinth.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ class EngineStats:
 class _Add:
     request_id: str
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +170,12 @@ class AsyncEngine:
     # -- the one core API ------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request and yield its outputs as the engine advances it, the last one finished.
+
+        With :class:`~plinth.pooling_params.PoolingParams` it is an embedding request: one output,
+        finished, with ``embedding`` set.
 
         Leaving the iteration early (break, ``aclose``, cancellation) aborts the request.
 
@@ -275,7 +279,10 @@ class AsyncEngine:
                 f"(--max-waiting {self.max_waiting}); retry later"
             )
         try:
-            engine.add_request(command.request_id, command.prompt, command.params)
+            if isinstance(command.params, PoolingParams):
+                engine.add_embedding_request(command.request_id, command.prompt, command.params)
+            else:
+                engine.add_request(command.request_id, command.prompt, command.params)
         except InvalidRequest as exc:
             return exc  # refused before anything was queued
         except ValueError as exc:  # the scheduler refused it after the engine registered it

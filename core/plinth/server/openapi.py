@@ -67,7 +67,7 @@ def describe(app: FastAPI) -> None:
 
 
 _DESCRIPTION = (
-    "OpenAI-compatible (/v1/completions, /v1/chat/completions, /v1/models) and Anthropic-compatible "
+    "OpenAI-compatible (/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models) and Anthropic-compatible "
     '(/v1/messages) inference server. Errors use the OpenAI shape; with "stream": true the generation '
     "routes answer server-sent events, and an error after the stream started is sent in-band before "
     "the terminator."

@@ -17,6 +17,7 @@ from fastapi import Request
 from pydantic import BaseModel, Field
 
 from plinth.model.tokenizer import InvalidText
+from plinth.pooling_params import PoolingParams
 from plinth.runtime.outputs import RequestOutput
 from plinth.sampling_params import SamplingParams, StructuredOutputs
 from plinth.server import DEFAULT_MAX_REQUEST_BYTES
@@ -204,7 +205,7 @@ def require_api_key(request: Request) -> None:
 
 
 async def engine_outputs(
-    st: ServerState, request_id: str, prompt: str | list[int], params: SamplingParams
+    st: ServerState, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
 ) -> AsyncGenerator[RequestOutput, None]:
     """The engine's outputs for one request, observed by the metrics; closing it aborts the request."""
     tracker = st.metrics.tracker()

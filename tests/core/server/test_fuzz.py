@@ -24,16 +24,17 @@ _SMALL = {"max_tokens": 2, "max_completion_tokens": 2, "n": 2, "logprobs": 2, "t
 
 
 def _shrink(body: Any) -> None:
-    """Keep generated requests cheap: few tokens, few sequences, few prompts."""
+    """Keep generated requests cheap: few tokens, few sequences, few prompts or inputs."""
     if not isinstance(body, dict):
         return
     for key, cap in _SMALL.items():
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[key] = cap
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 2 and not isinstance(prompt[0], int):
-        body["prompt"] = prompt[:2]
+    for key in ("prompt", "input"):  # completions' prompts, embeddings' inputs
+        prompt = body.get(key)
+        if isinstance(prompt, list) and len(prompt) > 2 and not isinstance(prompt[0], int):
+            body[key] = prompt[:2]
 
 
 @pytest.mark.slow
