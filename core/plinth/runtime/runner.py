@@ -15,6 +15,7 @@ from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.sampler import Sampler, SampleResult
+from plinth.runtime.speculative import logit_rows, verify
 from plinth.runtime.static import StaticSteps, decode_first
 from plinth.sampling_params import SamplingParams
 from plinth.sched.output import ScheduledChunk, SchedulerOutput
@@ -138,6 +139,8 @@ class ModelRunner:
         scheduled = decode_first(out.scheduled)
         sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]
         graphs = self.graphs
+        if any(s.draft_token_ids for s in scheduled):  # step graphs and static shapes take 1-token decodes only
+            return self._execute_drafts(scheduled, sampling)
         if self.static is not None:
             if not scheduled:
                 return {}
@@ -163,6 +166,18 @@ class ModelRunner:
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
             last = hidden.index_select(0, idx)
         return self._sample(self.model.compute_logits(last), scheduled, sampling)  # logits [S, V]
+
+    def _execute_drafts(
+        self, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]
+    ) -> dict[SequenceId, SampleResult]:
+        """An eager step with draft tokens: logits at every position of each speculating chunk."""
+        if self.static is not None:
+            raise RuntimeError("a static-shape step cannot take draft tokens (the engine refuses speculation there)")
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+        idx = torch.tensor(logit_rows(scheduled, sampling), device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [R, V]
+        return verify(self.sampler, logits, scheduled, sampling) if self.sample else {}
 
     def _sample(
         self, logits: torch.Tensor, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]

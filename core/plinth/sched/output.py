@@ -23,6 +23,10 @@ class ScheduledChunk(Generic[P]):
     scheduled token: none for a prefill chunk that does not reach the end of the known tokens, the
     sequence's own sample normally, and ``n`` (sequence ids ``(request_id, 0 .. n-1)``) the first
     time a request with ``n`` > 1 samples: it then forks into those sequences.
+
+    ``draft_token_ids`` (speculative decoding; ``plinth.sched.draft``) are the last tokens of
+    ``token_ids``, proposed rather than known: the sequence's own sample is then taken from the
+    logits of every one of its last ``1 + len(draft_token_ids)`` tokens, to verify the drafts.
     """
 
     seq_id: SequenceId
@@ -30,6 +34,7 @@ class ScheduledChunk(Generic[P]):
     start_position: int
     block_ids: list[int]
     samples: tuple[Sample[P], ...]
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:
