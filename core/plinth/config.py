@@ -60,7 +60,10 @@ class EngineConfig:
       Single-process engines only, not with static-shape (step-bucket) backends. See docs/serving.md.
     - ``ngram_prompt_lookup_max`` / ``ngram_prompt_lookup_min`` (1-16, min <= max): the longest and
       shortest suffix of a sequence looked up for drafts (the longest that occurs wins; then the
-      most recent occurrence).
+      most recent occurrence). Defaults 6 and 3: replaying the greedy answers of ``plinth bench
+      speculative`` through the lookup, a minimum of 2 drafts at 9% of the tokens of the
+      non-repetitive answers with 18% of drafts accepted (mostly wasted verification), 3 at 3% with 34%
+      accepted; the repetitive answers' acceptance rises from 82% to 94% (k = 4).
     """
 
     model: str | None = None
@@ -86,8 +89,8 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0
     distributed_executor: Literal["mp", "ray"] = "mp"
     num_speculative_tokens: int = 0
-    ngram_prompt_lookup_max: int = 4
-    ngram_prompt_lookup_min: int = 2
+    ngram_prompt_lookup_max: int = 6
+    ngram_prompt_lookup_min: int = 3
 
     def __post_init__(self) -> None:
         owner = type(self).__name__

@@ -74,14 +74,14 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="the longest suffix of a sequence looked up for drafts (default 4)",
+        help="the longest suffix of a sequence looked up for drafts (default 6)",
     )
     p.add_argument(
         "--ngram-prompt-lookup-min",
         type=positive_int,
         default=None,
         metavar="N",
-        help="the shortest suffix that counts as a match (default 2)",
+        help="the shortest suffix that counts as a match (default 3)",
     )
 
 
