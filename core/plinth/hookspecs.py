@@ -106,6 +106,8 @@ API    adds / changes
        rule ``route_experts`` (default: none supplied; the core runs ``ReferenceMoE``);
        ``SmallOps.gelu_tanh_and_mul`` (Gemma 3's gated MLP; default plain torch) and
        ``SmallOps.rms_norm_heads`` (Qwen3/Gemma 3's q/k norm; default: heads copied dense, ``rms_norm``)
+1.9    structured output: ``SmallOps.apply_token_bitmask`` (the forbidden tokens' logits set to
+       ``-inf`` from a packed int32 bitmask; default plain torch)
 =====  ===========================================================================================
 """
 
@@ -123,7 +125,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 8)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 9)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -147,6 +149,7 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 8): "fused MoE: MoESpec, Capabilities.fused_moe (MoECapabilities), Backend.moe_kernels and "
     "KernelProvider.moe_kernels -> MoEKernels (ExpertWeights), route_experts, ReferenceMoE; "
     "SmallOps.gelu_tanh_and_mul, rms_norm_heads",
+    (1, 9): "structured output: SmallOps.apply_token_bitmask",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

@@ -2,12 +2,81 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from plinth.validation import InvalidParameter, check_bool, check_float, check_int, check_list
 
 #: The most logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
+
+
+_CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredOutputs:
+    """A constraint on the text a request generates; exactly one kind is given.
+
+    - ``json``: a JSON schema (a dict, or its text): the output is a JSON value that validates.
+    - ``json_object``: True: the output is any JSON object (OpenAI's ``{"type": "json_object"}``).
+    - ``regex``: the output matches the regular expression as a whole (Rust ``regex`` syntax).
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: a Lark grammar (llguidance's dialect, ``start`` rule first); GBNF is not read.
+
+    ``whitespace`` ("compact" or "flexible") is how JSON may be laid out: "compact" allows exactly
+    ``", "`` between items and ``": "`` after keys (no newlines, so a model cannot pad forever);
+    "flexible" any JSON whitespace. Which keywords of a schema can be enforced is decided when the
+    request is added: a schema the grammar library cannot enforce is refused, naming the keyword.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace: str = "compact"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidParameter(owner, "json", f"is not valid JSON: {exc}") from None
+        if schema is not None and not isinstance(schema, dict):
+            raise InvalidParameter(owner, "json", f"must be a JSON schema (an object), got {type(schema).__name__}")
+        object.__setattr__(self, "json", schema)
+        object.__setattr__(self, "json_object", check_bool(owner, "json_object", self.json_object))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameter(owner, name, f"must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choice = check_list(owner, "choice", self.choice, str)
+            if not choice or any(c == "" for c in choice):
+                raise InvalidParameter(owner, "choice", "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        if self.whitespace not in ("compact", "flexible"):
+            raise InvalidParameter(owner, "whitespace", f"must be 'compact' or 'flexible', got {self.whitespace!r}")
+        given = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameter(
+                owner,
+                given[1] if len(given) > 1 else "json",
+                f"give exactly one of json, json_object, regex, choice, grammar (got {', '.join(given) or 'none'})",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A string naming the constraint exactly (equal constraints, equal keys): the compile cache's key."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.whitespace], sort_keys=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +100,9 @@ class SamplingParams:
       the penalties; -100 in effect bans a token, +100 all but forces it), as OpenAI's
       ``logit_bias``. Logprobs stay those of the model's own distribution. Ids outside the
       vocabulary are refused when the request is added.
+    - ``structured``: a :class:`StructuredOutputs` constraint (JSON schema, regex, choice,
+      grammar): each step only the tokens that keep the output valid may be sampled, and the
+      sequence ends as soon as the constraint is complete. Logprobs stay the model's own.
 
     A value of the wrong type or out of range raises :class:`~plinth.validation.InvalidParameter`
     naming the field; an unknown keyword raises ``TypeError``.
@@ -53,6 +125,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured: StructuredOutputs | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -88,6 +161,10 @@ class SamplingParams:
             "skip_special_tokens": check_bool(owner, "skip_special_tokens", self.skip_special_tokens),
             "logit_bias": _check_logit_bias(owner, self.logit_bias),
         }
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise InvalidParameter(
+                owner, "structured", f"must be a StructuredOutputs, got {type(self.structured).__name__}"
+            )
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -102,8 +179,9 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """True when penalties or a logit bias rewrite this request's logits before sampling."""
-        return self.has_penalties or bool(self.logit_bias)
+        """True when penalties, a logit bias or a structured-output mask rewrite this request's
+        logits before sampling."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured is not None
 
     @property
     def has_penalties(self) -> bool:

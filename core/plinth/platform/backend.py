@@ -572,6 +572,21 @@ class SmallOps:
         """
         return x.argmax(dim=-1)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Set to ``-inf``, in place, the logits of the tokens a bitmask forbids: structured output.
+
+        ``logits`` [S, V] float32 (rows may be a view with a row stride); ``bitmask`` [S, ceil(V/32)]
+        int32 on the same device, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed
+        (the layout of llguidance and xgrammar). Bits past ``V`` are ignored. The sampler calls it
+        once per step for the rows of constrained requests; a backend overrides it with one kernel.
+
+        .. versionadded:: 1.9
+        """
+        vocab = logits.shape[-1]
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab]  # [S, V]
+        logits.masked_fill_(allowed == 0, float("-inf"))
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 at least: ``x / rms(x) * weight``."""
         dtype = x.dtype

@@ -33,6 +33,8 @@ from plinth.sched.draft import NgramDrafter
 from plinth.sched.output import EngineFinishes
 from plinth.sched.request import Request, RequestStatus, StopCriteria
 from plinth.sched.scheduler import Scheduler
+from plinth.structured.grammar import UnsupportedConstraint
+from plinth.structured.masks import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +93,13 @@ class LLMEngine:
     fatal: WorkerFailure | None = None
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; a single-process engine has none)."""
+        """Stop the tensor-parallel workers, if any (idempotent; a single-process engine has none),
+        and the structured-output worker thread."""
         if self.executor is not None:
             self.executor.close()
+        structured = getattr(self, "structured", None)  # absent when the start failed early
+        if structured is not None:
+            structured.close()
 
     def _start(self, config: EngineConfig, host: PluginHost) -> None:
         t0 = time.monotonic()
@@ -194,6 +200,8 @@ class LLMEngine:
                 static=self.static,
             )
         self._groups: dict[str, _Group] = {}
+        #: grammars and matchers of the constrained requests (llguidance is loaded at the first one)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "engine ready on %s in %.1fs: %d KV blocks of %d tokens, dtype %s",
@@ -288,7 +296,8 @@ class LLMEngine:
         """Validate and queue a request.
 
         :raises InvalidRequest: empty or over-long prompt, a token id outside the vocabulary (in the
-            prompt or ``params.logit_bias``), or a duplicate request id. Nothing is queued then;
+            prompt or ``params.logit_bias``), a structured-output constraint that cannot be enforced
+            (the message names the keyword), or a duplicate request id. Nothing is queued then;
             running requests are unaffected.
         """
         params = params or SamplingParams()
@@ -339,9 +348,15 @@ class LLMEngine:
             RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids)),
         )
         self._add_sequence(group, 0)
+        if params.structured is not None:
+            try:
+                self.structured.add(request_id, params)
+            except UnsupportedConstraint as exc:
+                raise InvalidRequest(str(exc), param=f"structured.{exc.field}") from exc
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:  # the scheduler's own guard: forget the request, keep serving
+            self.structured.forget(request_id)
             raise InvalidRequest(str(exc)) from exc
         self._groups[request_id] = group
 
@@ -359,6 +374,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its sequences; their KV blocks return to the pool at once."""
         if self._groups.pop(request_id, None) is not None:
+            self.structured.forget(request_id)
             self.scheduler.finish(EngineFinishes(aborted=[request_id]))
 
     def has_unfinished(self) -> bool:
@@ -393,10 +409,13 @@ class LLMEngine:
                 group.metrics.first_scheduled_time = started
         if self.fatal is not None:
             raise self.fatal
+        masks = None
+        if self.structured.active:  # the grammars' masks are filled on a thread while the model runs
+            masks = self.structured.step_masks([s for chunk in sched_out.scheduled for s in chunk.samples])
         try:
             if self.executor is not None:  # the workers run the same step on their shards, in lockstep
                 self.executor.broadcast(sched_out)
-            results = self.runner.execute(sched_out)
+            results = self.runner.execute(sched_out, masks)
         except CollectiveError as e:  # a rank died or hung inside the forward's collectives
             assert self.executor is not None
             self.fatal = WorkerFailure(self.executor.diagnose(str(e)))
@@ -415,7 +434,13 @@ class LLMEngine:
             if group is None:
                 continue  # aborted meanwhile
             seq = group.seqs.get(req.sample_index) or self._add_sequence(group, req.sample_index)
-            if self._observe(group, seq, req, results[req.seq_id], now):
+            result = results[req.seq_id]
+            complete = group.params.structured is not None and self.structured.accept(req.seq_id, result.token_id)
+            if self._observe(group, seq, req, result, now):
+                stopped.append(req.seq_id)
+            elif complete and not req.status.finished:  # the grammar allows nothing more: end it here
+                seq.detok.flush()
+                seq.finish_reason = "stop"
                 stopped.append(req.seq_id)
             touched[req.request_id] = group
         if stopped:
@@ -512,3 +537,4 @@ class LLMEngine:
         # the scheduler already forgot its sequences; the runner drops their generators when the
         # next step's output lists them as finished
         self._groups.pop(group.request_id, None)
+        self.structured.forget(group.request_id)

@@ -43,7 +43,12 @@ def allocate_kv_caches(
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses (the others keep running). The message names what was wrong."""
+    """A request the engine refuses (the others keep running). The message names what was wrong;
+    ``param``, when set, the request field at fault (a server's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)

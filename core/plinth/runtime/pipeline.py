@@ -10,7 +10,7 @@ the logits of each micro-batch's sampling rows to rank 0, which samples once it 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from plinth.runtime.static import decode_first
 from plinth.sampling_params import SamplingParams
 from plinth.sched.output import ScheduledChunk, SchedulerOutput
 from plinth.sched.request import SequenceId
+
+if TYPE_CHECKING:
+    from plinth.structured.masks import StepMasks
 
 
 def micro_batches(
@@ -65,7 +68,9 @@ class PipelineRunner(ModelRunner):
         self.num_micro_batches = num_micro_batches or stage.num_stages
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput[SamplingParams]) -> dict[SequenceId, SampleResult]:
+    def execute(
+        self, out: SchedulerOutput[SamplingParams], masks: StepMasks | None = None
+    ) -> dict[SequenceId, SampleResult]:
         for seq_id in out.finished_seq_ids:
             self.sampler.forget(seq_id)
         if out.block_copies:  # this stage's layers' caches
@@ -106,4 +111,4 @@ class PipelineRunner(ModelRunner):
         sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]
         if not self.sample or not sampling:
             return {}
-        return self._sample(torch.cat(logits), scheduled, sampling)
+        return self._sample(torch.cat(logits), scheduled, sampling, masks)

@@ -7,7 +7,7 @@ returns the sampled tokens keyed by the ``SequenceId`` each sample names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,6 +20,9 @@ from plinth.runtime.static import StaticSteps, decode_first
 from plinth.sampling_params import SamplingParams
 from plinth.sched.output import ScheduledChunk, SchedulerOutput
 from plinth.sched.request import Sample, SequenceId
+
+if TYPE_CHECKING:
+    from plinth.structured.masks import StepMasks
 
 
 @dataclass(slots=True)
@@ -126,8 +129,14 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput[SamplingParams]) -> dict[SequenceId, SampleResult]:
-        """Run the step; return one result per sample of the step, keyed by the sample's sequence id."""
+    def execute(
+        self, out: SchedulerOutput[SamplingParams], masks: StepMasks | None = None
+    ) -> dict[SequenceId, SampleResult]:
+        """Run the step; return one result per sample of the step, keyed by the sample's sequence id.
+
+        ``masks``: the allowed tokens of the step's constrained samples (structured output), being
+        filled while the forward runs; the sampler applies them.
+        """
         for seq_id in out.finished_seq_ids:
             self.sampler.forget(seq_id)
         if out.block_copies:
@@ -140,7 +149,7 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]
         graphs = self.graphs
         if any(s.draft_token_ids for s in scheduled):  # step graphs and static shapes take 1-token decodes only
-            return self._execute_drafts(scheduled, sampling)
+            return self._execute_drafts(scheduled, sampling, masks)
         if self.static is not None:
             if not scheduled:
                 return {}
@@ -148,7 +157,7 @@ class ModelRunner:
             if not sampling:
                 return {}
             logits = rows if len(sampling) == len(scheduled) else rows[torch.tensor(sampling)]
-            return self._sample(logits, scheduled, sampling)
+            return self._sample(logits, scheduled, sampling, masks)
         if graphs is not None and self._graph_step(out, graphs):
             hidden = graphs.run(
                 [s.token_ids[0] for s in scheduled],
@@ -165,10 +174,10 @@ class ModelRunner:
                 return {}
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
             last = hidden.index_select(0, idx)
-        return self._sample(self.model.compute_logits(last), scheduled, sampling)  # logits [S, V]
+        return self._sample(self.model.compute_logits(last), scheduled, sampling, masks)  # logits [S, V]
 
     def _execute_drafts(
-        self, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]
+        self, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int], masks: StepMasks | None
     ) -> dict[SequenceId, SampleResult]:
         """An eager step with draft tokens: logits at every position of each speculating chunk."""
         if self.static is not None:
@@ -177,10 +186,14 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
         idx = torch.tensor(logit_rows(scheduled, sampling), device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))  # [R, V]
-        return verify(self.sampler, logits, scheduled, sampling) if self.sample else {}
+        return verify(self.sampler, logits, scheduled, sampling, masks) if self.sample else {}
 
     def _sample(
-        self, logits: torch.Tensor, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]
+        self,
+        logits: torch.Tensor,
+        scheduled: list[ScheduledChunk[SamplingParams]],
+        sampling: list[int],
+        masks: StepMasks | None = None,
     ) -> dict[SequenceId, SampleResult]:
         """Sample every sample of the chunks ``sampling`` indexes; row j of ``logits`` is chunk ``sampling[j]``'s."""
         if not self.sample:
@@ -191,5 +204,5 @@ class ModelRunner:
             for sample in scheduled[i].samples:
                 samples.append(sample)
                 logits_rows.append(j)
-        results = self.sampler.sample(logits, samples, logits_rows)
+        results = self.sampler.sample(logits, samples, logits_rows, masks, writable=True)  # the step's own logits
         return {sample.seq_id: result for sample, result in zip(samples, results, strict=True)}

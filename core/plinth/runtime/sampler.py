@@ -1,15 +1,20 @@
-"""Turning logits into tokens: penalties, logit bias, temperature, top-k/top-p/min-p, seeds, logprobs."""
+"""Turning logits into tokens: penalties, logit bias, grammar masks, temperature, top-k/top-p/min-p,
+seeds, logprobs."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from plinth.platform.backend import SmallOps
 from plinth.sampling_params import SamplingParams
 from plinth.sched.request import Sample, SequenceId
+
+if TYPE_CHECKING:
+    from plinth.structured.masks import StepMasks
 
 
 @dataclass(slots=True)
@@ -38,7 +43,9 @@ class Sampler:
 
     def __init__(self, ops: SmallOps | None = None) -> None:
         self._generators: dict[SequenceId, torch.Generator] = {}
-        self._argmax = (ops or SmallOps()).argmax  # looked up once, not per step
+        ops = ops or SmallOps()
+        self._argmax = ops.argmax  # looked up once, not per step
+        self._apply_bitmask = ops.apply_token_bitmask
 
     def forget(self, seq_id: SequenceId) -> None:
         """Drop the generator of a finished sequence."""
@@ -67,16 +74,25 @@ class Sampler:
             row.exponential_(generator=gen)
 
     def sample(
-        self, logits: torch.Tensor, rows: Sequence[Sample[SamplingParams]], logits_rows: list[int]
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[Sample[SamplingParams]],
+        logits_rows: list[int],
+        masks: StepMasks | None = None,
+        writable: bool = False,
     ) -> list[SampleResult]:
         """``logits`` [L, V] -> one result per sample; sample ``i`` reads logits row ``logits_rows[i]``
         (the ``n`` samples of a fork read the same row). A seeded sample draws from the generator
-        of its ``seq_id``, made from its seed the first time and kept until :meth:`forget`."""
+        of its ``seq_id``, made from its seed the first time and kept until :meth:`forget`.
+        ``masks`` holds the allowed tokens of the constrained samples (structured output), applied
+        after penalties and biases, before temperature and the filters. ``writable``: the caller
+        reads ``logits`` no more (the runner's own logits), so penalties, biases and masks rewrite
+        its rows in place instead of in a copy (a [S, V] copy is a parallel region on the pool)."""
         logits = logits.float()
         if logits_rows != list(range(logits.shape[0])):  # n > 1 repeats rows; else the logits are in order
             logits = logits.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=logits.device))  # [S, V]
-        elif any(r.params.changes_logits for r in rows):
-            logits = logits.clone()  # penalties and biases write rows in place: never into the caller's tensor
+        elif not writable and (masks is not None or any(r.params.changes_logits for r in rows)):
+            logits = logits.clone()  # penalties, biases and masks write rows in place: never the caller's tensor
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -85,6 +101,8 @@ class Sampler:
                 logits[i] = apply_penalties(logits[i], row.params, row.prompt_token_ids, row.output_token_ids)
             if row.params.logit_bias:
                 apply_logit_bias(logits[i], row.params.logit_bias)
+        if masks is not None:
+            self._mask(logits, rows, masks)
 
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -125,6 +143,24 @@ class Sampler:
                     result.top_logprobs = []
             results.append(result)
         return results
+
+    def _mask(self, logits: torch.Tensor, rows: Sequence[Sample[SamplingParams]], masks: StepMasks) -> None:
+        """Forbid, in place, the tokens each constrained row's grammar does not allow now."""
+        picked = [(i, masks.rows[r.seq_id]) for i, r in enumerate(rows) if r.seq_id in masks.rows]
+        if not picked:
+            return
+        bitmask = masks.bitmask()
+        mask_rows = [m for _i, m in picked]
+        if mask_rows != list(range(bitmask.shape[0])):
+            bitmask = bitmask.index_select(0, torch.tensor(mask_rows, dtype=torch.long))
+        bitmask = bitmask.to(logits.device)
+        if len(picked) == len(rows):
+            self._apply_bitmask(logits, bitmask)
+            return
+        idx = torch.tensor([i for i, _m in picked], dtype=torch.long, device=logits.device)
+        sub = logits.index_select(0, idx)
+        self._apply_bitmask(sub, bitmask)
+        logits.index_copy_(0, idx, sub)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:

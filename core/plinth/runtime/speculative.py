@@ -27,6 +27,7 @@ tokens with and without speculation, whatever else shares its steps.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,16 +36,21 @@ from plinth.sampling_params import SamplingParams
 from plinth.sched.output import ScheduledChunk
 from plinth.sched.request import Sample, SequenceId
 
+if TYPE_CHECKING:
+    from plinth.structured.masks import StepMasks
+
 
 def may_speculate(params: SamplingParams) -> bool:
     """Whether a request with these parameters may get draft tokens: the one predicate for it
     (``NgramDrafter``'s ``allow``), where an option that cannot be verified per position says no.
 
-    Every option so far can: penalties see the drafts before each position as output, the logit
-    bias is the same at every position, the seeded generators rewind, and logprobs are computed
-    for every emitted token. ``n`` > 1 is the scheduler's (no drafts at the fork's first step).
+    Structured output cannot: its grammar matcher advances one token per step, and the step's
+    bitmask is for the position after the known tokens only. Every other option can: penalties
+    see the drafts before each position as output, the logit bias is the same at every position,
+    the seeded generators rewind, and logprobs are computed for every emitted token. ``n`` > 1 is
+    the scheduler's (no drafts at the fork's first step).
     """
-    return True
+    return params.structured is None
 
 
 def logit_rows(scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int]) -> list[int]:
@@ -74,8 +80,10 @@ def verify(
     logits: torch.Tensor,
     scheduled: list[ScheduledChunk[SamplingParams]],
     sampling: list[int],
+    masks: StepMasks | None = None,
 ) -> dict[SequenceId, SampleResult]:
     """Sample a step with draft tokens; ``logits`` [R, V] has the rows :func:`logit_rows` lists.
+    ``masks`` are the step's grammar masks, for its constrained samples (never speculating ones).
 
     A chunk without drafts gets its samples as in a plain step. A chunk with ``k`` drafts gets one
     result: the token emitted last, with the accepted drafts' results (``SampleResult.accepted``)
@@ -103,7 +111,7 @@ def verify(
         for c in (scheduled[i] for i in sampling)
         if c.draft_token_ids and c.samples[0].seed is not None and not c.samples[0].params.greedy
     }
-    results = sampler.sample(logits, samples, rows)
+    results = sampler.sample(logits, samples, rows, masks, writable=True)  # the step's own logits
     out: dict[SequenceId, SampleResult] = {}
     at = 0
     for i in sampling:

@@ -9,6 +9,7 @@ event before ``data: [DONE]``.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,8 @@ from plinth.server.protocol import (
     TopLogprob,
     Usage,
 )
+from plinth.server.protocol import FunctionCall as FunctionCallModel
+from plinth.server.protocol import ToolCall as ToolCallModel
 from plinth.server.state import ServerState, engine_outputs, get_state
 from plinth.server.streams import (
     ChoiceCursor,
@@ -46,6 +49,7 @@ from plinth.server.streams import (
     sse,
     start_streams,
 )
+from plinth.tools import ToolCall, ToolCallStream, chat_messages, parse_tool_calls
 
 router = APIRouter()
 
@@ -76,6 +80,11 @@ def _completion_logprobs(st: ServerState, lps: list[TokenLogprob], offset: int) 
         out.text_offset.append(offset)
         offset += len(chars.decode(tok.token_bytes(lp.token_id)))
     return out
+
+
+def _openai_call(call: ToolCall) -> ToolCallModel:
+    """A parsed call as OpenAI's ``tool_calls[]`` entry."""
+    return ToolCallModel(id=call.id, function=FunctionCallModel(name=call.name, arguments=call.arguments))
 
 
 def _chat_logprobs(st: ServerState, lps: list[TokenLogprob], top_n: int) -> ChatLogprobs:
@@ -110,6 +119,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = body.sampling_params(max_tokens, body.logprobs)
     if params.logit_bias:
         st.check_token_ids(list(params.logit_bias), "logit_bias")
+    if (constraint := body.structured()) is not None:
+        await st.check_structured(*constraint)
     prompt_ids: list[list[int]] = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
@@ -227,7 +238,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = body.sampling_params(max_tokens, logprobs)
     if params.logit_bias:
         st.check_token_ids(list(params.logit_bias), "logit_bias")
-    prompt = await st.chat_prompt(body.template_messages(), "messages", body.add_generation_prompt)
+    if (constraint := body.structured()) is not None:
+        await st.check_structured(*constraint)
+    tools = body.tool_list
+    if (calls_only := body.call_constraint()) is not None:  # a required or named call: the reply is calls
+        await st.check_structured(calls_only, "tools")
+        params = dataclasses.replace(params, structured=calls_only)
+    messages, template_vars = chat_messages(body.template_messages(), tools, st.tokenizer.chat_template)
+    prompt = await st.chat_prompt(messages, "messages", body.add_generation_prompt, template_vars)
     st.check_context(len(prompt), max_tokens, "messages", body.max_tokens_param)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     streams: Streams = {0: engine_outputs(st, base, prompt, params)}
@@ -243,16 +261,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ClientDisconnected:
         return Response(status_code=499)
     out = finals[0]
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=_chat_logprobs(st, c.logprobs, top_n) if c.logprobs is not None else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+        if tools:
+            content, calls = parse_tool_calls(c.text, tools)
+            if calls:
+                message = ChatResponseMessage(content=content, tool_calls=[_openai_call(call) for call in calls])
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=_chat_logprobs(st, c.logprobs, top_n) if c.logprobs is not None else None,
+                finish_reason=finish_reason,
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in out.outputs
-    ]
     return ChatCompletionResponse(id=base, created=created, model=model, choices=choices, usage=_usage(finals))
 
 
@@ -268,6 +293,8 @@ async def _chat_stream(
 ) -> AsyncIterator[str]:
     head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model}
     cursors: dict[int, ChoiceCursor] = {}
+    tools = body.tool_list
+    calls: dict[int, ToolCallStream] = {}  # per choice, with tools: text and whole calls split
     top_n = body.top_logprobs or 0
     prompt_tokens = len(firsts[0].prompt_token_ids)
     try:
@@ -287,11 +314,31 @@ async def _chat_stream(
                 if delta is None:
                     continue
                 logprobs = _chat_logprobs(st, delta.logprobs, top_n).model_dump() if body.logprobs else None
+                text, finish_reason = delta.text, delta.finish_reason
+                payload: dict[str, Any] = {}
+                if tools:
+                    split = calls.setdefault(c.index, ToolCallStream(tools))
+                    first = split.num_calls
+                    text, made = split.feed(text, final=c.finished)
+                    if made:  # each call whole: its id and name, then its arguments in one piece
+                        payload["tool_calls"] = [
+                            {"index": first + k, **_openai_call(call).model_dump()} for k, call in enumerate(made)
+                        ]
+                    if finish_reason == "stop" and split.num_calls:
+                        finish_reason = "tool_calls"
+                if text:
+                    payload["content"] = text
+                if "tool_calls" in payload and finish_reason is not None:
+                    # the calls first, the finish in a chunk of its own, as OpenAI sends them (the
+                    # openai client's stream helper closes a call only on a later chunk)
+                    calls_chunk = {"index": c.index, "delta": payload, "logprobs": logprobs, "finish_reason": None}
+                    yield sse({**head, "choices": [calls_chunk]})
+                    payload, logprobs = {}, None
                 choice = {
                     "index": c.index,
-                    "delta": {"content": delta.text} if delta.text else {},
+                    "delta": payload,
                     "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason if c.finished else None,
                 }
                 yield sse({**head, "choices": [choice]})

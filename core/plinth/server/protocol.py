@@ -23,8 +23,9 @@ from pydantic import (
 )
 
 from plinth.model.tokenizer import check_text
-from plinth.sampling_params import MAX_LOGPROBS, SamplingParams
+from plinth.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from plinth.server.errors import APIError, invalid_parameter
+from plinth.tools import Tool, call_constraint
 from plinth.validation import InvalidParameter
 
 # torch generators take seeds in [-2**63, 2**64): a larger one would fail inside the engine step
@@ -58,6 +59,45 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Bool = Field(False, description="accepted and ignored")
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is always honoured here)."""
+
+    name: Text = Field("response", max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="the JSON schema")
+    strict: Bool | None = Field(None, description="accepted; the schema is always enforced")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only read with type 'json_schema', not {self.type!r}")
+        return self
+
+
+class StructuredOutputsFields(_Strict):
+    """``structured_outputs`` (plinth's extra, vLLM's name): exactly one constraint."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json", description="a JSON schema")
+    json_object: Bool = False
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, max_length=1024)
+    grammar: Text | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+    whitespace: Literal["compact", "flexible"] = "compact"
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class SamplingFields(_Strict):
     """Sampling fields shared by completions and chat: OpenAI's, then plinth's extras."""
 
@@ -88,6 +128,37 @@ class SamplingFields(_Strict):
     stop_token_ids: list[Int] | None = Field(None, max_length=1024)
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema")
+    structured_outputs: StructuredOutputsFields | None = Field(
+        None, description="plinth's extra: one of json, json_object, regex, choice, grammar"
+    )
+
+    def structured(self) -> tuple[StructuredOutputs, str] | None:
+        """The constraint the request asks for and the field it came from; None for plain text."""
+        rf = self.response_format
+        if rf is not None and rf.type != "text" and self.structured_outputs is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                spec = StructuredOutputs(
+                    json=so.json_,
+                    json_object=so.json_object,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    whitespace=so.whitespace,
+                )
+                return spec, "structured_outputs"
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputs(json_object=True), "response_format"
+            assert rf.json_schema is not None
+            return StructuredOutputs(json=rf.json_schema.schema_), "response_format"
+        except InvalidParameter as exc:
+            field = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise APIError(400, f"{field}: {exc.problem}", param=field) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; a rejected value is a 400 naming the field."""
@@ -101,6 +172,7 @@ class SamplingFields(_Strict):
             "logprobs": logprobs,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "structured": (spec[0] if (spec := self.structured()) else None),
         }
         optional = {
             "temperature": self.temperature,
@@ -288,6 +360,33 @@ class ChatMessage(_Strict):
         return msg
 
 
+class FunctionDefinition(_Strict):
+    """A function the model may call: OpenAI's ``tools[].function``."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON schema")
+    strict: Bool | None = Field(None, description="accepted; required and named calls are always enforced")
+
+
+class ChatTool(_Strict):
+    """``tools[]``: a function tool."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
@@ -297,10 +396,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
-    tool_choice: Text | dict[str, Any] | None = Field(None, description="only 'none'")
-    parallel_tool_calls: Bool | None = Field(None, description="accepted and ignored (no tools)")
+    tools: list[ChatTool] | None = Field(None, max_length=128, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: 'auto' with tools, 'none' without"
+    )
+    parallel_tool_calls: Bool = Field(True, description="False: at most one call per reply")
     reasoning_effort: Text | None = Field(None, description="accepted and ignored")
 
     @field_validator("top_logprobs")
@@ -312,12 +412,46 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         """Raise a 400 for OpenAI features plinth does not implement."""
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: two tools have the same name", param="tools")
+        if choice is not None and choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(
+                400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
+            )
+        if self.call_mode in ("required", "named") and self.structured() is not None:
+            raise APIError(
+                400, "a required tool call is a constraint of its own: drop response_format", param="tool_choice"
+            )
+
+    @property
+    def tool_list(self) -> list[Tool]:
+        """The request's tools (none when ``tool_choice`` is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        return [Tool(t.function.name, t.function.description, t.function.parameters) for t in self.tools]
+
+    @property
+    def call_mode(self) -> str:
+        """ "none", "auto", "required" or "named" (a function given by name)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def call_constraint(self) -> StructuredOutputs | None:
+        """The grammar a required or named call imposes on the reply; None otherwise."""
+        mode = self.call_mode
+        if mode == "required":
+            return call_constraint(self.tool_list, parallel=self.parallel_tool_calls)
+        if mode == "named":
+            assert isinstance(self.tool_choice, NamedToolChoice)
+            return call_constraint(self.tool_list, name=self.tool_choice.function.name)
+        return None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them (``developer`` is a system message)."""
@@ -359,10 +493,11 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply: its text (None when it is only tool calls) and its calls."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -18,11 +18,12 @@ from pydantic import BaseModel, Field
 
 from plinth.model.tokenizer import InvalidText
 from plinth.runtime.outputs import RequestOutput
-from plinth.sampling_params import SamplingParams
+from plinth.sampling_params import SamplingParams, StructuredOutputs
 from plinth.server import DEFAULT_MAX_REQUEST_BYTES
 from plinth.server.async_engine import AsyncEngine
 from plinth.server.errors import APIError
 from plinth.server.metrics import ServerMetrics
+from plinth.structured.grammar import UnsupportedConstraint
 
 #: a string prompt longer than this many characters per context token is tokenized prefix-first:
 #: when the prefix alone overflows the context, the rest is never tokenized (English averages ~4)
@@ -108,6 +109,16 @@ class ServerState:
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param=param)
 
+    async def check_structured(self, spec: StructuredOutputs, param: str) -> None:
+        """400 naming ``param`` when the constraint cannot be enforced (a bad schema, regex or
+        grammar, or a keyword the grammar library lacks). Compiled off the event loop, into the
+        cache the engine reads when the request is added."""
+        structured = self.engine.engine.structured
+        try:
+            await asyncio.to_thread(lambda: structured.compiler.compile(spec))
+        except UnsupportedConstraint as exc:
+            raise APIError(400, f"{param}: {exc.problem}", param=param) from None
+
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
         """400 when the prompt leaves no room for output, or prompt + ``max_tokens`` exceeds the context
         (OpenAI and vLLM refuse rather than clamp)."""
@@ -153,11 +164,18 @@ class ServerState:
         return text
 
     async def chat_prompt(
-        self, messages: list[dict[str, Any]], param: str = "messages", add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        param: str = "messages",
+        add_generation_prompt: bool = True,
+        template_vars: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Render ``messages`` with the chat template and tokenize them, both off the event loop."""
+        """Render ``messages`` with the chat template and tokenize them, both off the event loop;
+        ``template_vars``: extra template variables (``tools``)."""
         text: str = await asyncio.to_thread(
-            self.tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt
+            lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **(template_vars or {})
+            )
         )
         return await self.encode(text, param, add_special_tokens=False)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -105,6 +105,9 @@ FUNCTIONS: dict[str, CFunction] = {
     ),
     "plinth_silu_and_mul": CFunction("void", "const float *x, float *out, int64_t T, int64_t I", 7, "T"),
     "plinth_gelu_tanh_and_mul": CFunction("void", "const float *x, float *out, int64_t T, int64_t I", 14, "T"),
+    "plinth_apply_token_bitmask": CFunction(
+        "void", "float *logits, int64_t stride, const int32_t *bitmask, int64_t S, int64_t V, int64_t W"
+    ),
     "plinth_rotary": CFunction(
         "void",
         "const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T, "

@@ -362,6 +362,13 @@ class NativeKernels:
         self.lib.plinth_gelu_tanh_and_mul(x.data_ptr(), out.data_ptr(), T, I2 // 2)
         return out
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """``logits`` [S, V] fp32 (unit column stride) set to -inf where ``bitmask`` [S, W] int32
+        (contiguous) has the token's bit clear."""
+        S, V = logits.shape
+        self.lib.plinth_apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), S, V,
+                                            bitmask.shape[1])  # fmt: skip
+
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
         """NeoX rotary of ``x`` [T, H, D] (heads dense, any token stride) -> a new contiguous tensor."""
         T, H, D = x.shape

@@ -62,6 +62,21 @@ class CpuOps(TorchOps):
             return super().gelu_tanh_and_mul(x)
         return self.native.gelu_tanh_and_mul(x.contiguous())
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """The forbidden tokens' logits set to -inf in one native pass on the calling thread (torch's
+        default is four elementwise kernels over [S, V], each a parallel region on the pool)."""
+        if (
+            logits.dtype != torch.float32
+            or logits.dim() != 2
+            or logits.stride(1) != 1
+            or bitmask.dtype != torch.int32
+            or bitmask.dim() != 2
+            or bitmask.shape[0] != logits.shape[0]
+            or bitmask.shape[1] * 32 < logits.shape[1]
+        ):
+            return super().apply_token_bitmask(logits, bitmask)
+        self.native.apply_token_bitmask(logits, bitmask.contiguous())
+
     def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each head of ``x`` [T, H, D] read in place from the strided view of the fused
         QKV (torch's default copies it dense first, which keeps a decode step out of a step graph)."""

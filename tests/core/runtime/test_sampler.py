@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -200,3 +202,64 @@ def test_logit_bias_is_checked_field_by_field() -> None:
         with pytest.raises(InvalidParameter, match=words) as info:
             SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
         assert info.value.field == "logit_bias"
+
+
+# -- structured output: token bitmasks ---------------------------------------------------------------
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """[S, V] bool -> the [S, ceil(V/32)] int32 bitmask (bit t % 32 of word t // 32)."""
+    rows, vocab = allowed.shape
+    words = -(-vocab // 32)
+    padded = torch.zeros(rows, words * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    packed = (padded.view(rows, words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # bit 31 is the sign
+
+
+def _masks(bitmask: torch.Tensor, rows: dict[SequenceId, int]) -> Any:
+    from concurrent.futures import Future
+
+    from plinth.structured.masks import StepMasks, StructuredOutputs
+
+    done: Future[torch.Tensor] = Future()
+    done.set_result(bitmask)
+    return StepMasks(rows, done, StructuredOutputs(None, bitmask.shape[1] * 32))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 100, 1000])
+def test_apply_token_bitmask_forbids_exactly_the_cleared_bits(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    allowed = torch.rand(5, vocab, generator=gen) < 0.3
+    allowed[:, -1] = True  # the last token (bit 31 of a word: the sign bit) among the allowed
+    base = torch.randn(5, vocab + 7, generator=gen)
+    logits = base[:, 3 : 3 + vocab]  # a view with a row stride, as the contract allows
+    SmallOps().apply_token_bitmask(logits, _pack(allowed))
+    assert torch.equal(logits.isinf(), ~allowed)
+    assert torch.equal(logits[allowed], base[:, 3 : 3 + vocab][allowed])
+
+
+def test_masked_rows_sample_only_allowed_tokens_and_others_are_untouched() -> None:
+    vocab = 70
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, vocab, generator=gen)
+    allowed = torch.zeros(2, vocab, dtype=torch.bool)
+    allowed[0, [5, 40, 69]] = True
+    allowed[1, [0, 33]] = True
+    rows = [
+        _row(0, SamplingParams(temperature=0), key="greedy"),
+        _row(1, SamplingParams(temperature=1.0), key="free"),
+        _row(2, SamplingParams(temperature=5.0), key="random"),
+    ]
+    masks = _masks(_pack(allowed), {SequenceId("greedy", 0): 0, SequenceId("random", 0): 1})
+    free_alone = Sampler()
+    seen: set[int] = set()
+    for _ in range(200):
+        out = Sampler().sample(logits, [s for _, s in rows], [0, 1, 2], masks)
+        assert out[0].token_id == max((5, 40, 69), key=lambda t: float(logits[0, t]))
+        seen.add(out[2].token_id)
+    assert seen == {0, 33}  # a hot temperature reaches both allowed tokens, never another
+    # the unconstrained row draws from its whole distribution, as without masks
+    unmasked = [free_alone.sample(logits, [rows[1][1]], [1])[0].token_id for _ in range(200)]
+    assert len(set(unmasked)) > 10
+    assert torch.equal(logits, torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)))  # caller's intact

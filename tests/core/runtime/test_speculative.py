@@ -9,7 +9,7 @@ import torch
 
 from plinth.runtime.sampler import Sampler, filtered_probs
 from plinth.runtime.speculative import logit_rows, may_speculate, verify
-from plinth.sampling_params import SamplingParams
+from plinth.sampling_params import SamplingParams, StructuredOutputs
 from plinth.sched.output import ScheduledChunk
 from plinth.sched.request import Sample, SequenceId
 
@@ -150,6 +150,7 @@ def test_seeded_tokens_are_identical_with_and_without_drafts(params: SamplingPar
     assert spec_lp[:steps] == plain_lp
 
 
-def test_every_option_may_speculate() -> None:
+def test_every_option_but_structured_output_may_speculate() -> None:
     assert may_speculate(SamplingParams())
     assert may_speculate(SamplingParams(temperature=0.5, repetition_penalty=1.2, logprobs=3, logit_bias={1: 2.0}))
+    assert not may_speculate(SamplingParams(structured=StructuredOutputs(choice=["a", "b"])))

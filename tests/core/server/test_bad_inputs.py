@@ -67,7 +67,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("logit-bias-out-of-vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
     ("logit-bias-range", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 150}}, 400, "logit_bias"),
     ("logit-bias-type", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "high"}}, 400, "logit_bias.5"),
-    ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "model"),
     ("fan-out", "/v1/completions", {"prompt": ["a"] * 256, "n": 64}, 400, "n"),
     ("surrogate-prompt", "/v1/completions", {"prompt": U}, 400, "prompt"),

@@ -272,6 +272,21 @@ def test_small_ops_match_torch(nk: NativeKernels, threads: int) -> None:
     torch.testing.assert_close(ops.gelu_tanh_and_mul(gu), ref.gelu_tanh_and_mul(gu), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 49152])
+def test_apply_token_bitmask_matches_torch(nk: NativeKernels, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32) + 1  # one word more than needed: its bits are ignored
+    bitmask = torch.randint(-(2**31), 2**31, (5, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # every token allowed (the skipped words)
+    bitmask[2] = 0  # none
+    base = torch.randn(5, vocab + 3, generator=gen)
+    ours, ref = base.clone(), base.clone()
+    CpuOps(nk).apply_token_bitmask(ours[:, 2 : 2 + vocab], bitmask)  # a row-strided view
+    SmallOps().apply_token_bitmask(ref[:, 2 : 2 + vocab], bitmask)
+    assert torch.equal(ours, ref)
+    assert not ours[2, 2 : 2 + vocab].isfinite().any() and torch.equal(ours[1], base[1])
+
+
 def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen: torch.Generator):  # noqa: ANN202
     """A decode batch over a NaN-poisoned head-major cache with shuffled, padded block tables."""
     bs, hk, d = spec.block_size, spec.num_kv_heads, spec.head_size

@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 10
+#define PLINTH_ABI_VERSION 11
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -30,6 +30,7 @@ void plinth_rms_norm(const float *x, float *residual, const float *w, float *out
 void plinth_rms_norm_heads(const float *x, int64_t sx, const float *w, float *out, int64_t T, int64_t Hh, int64_t D, float eps);
 void plinth_silu_and_mul(const float *x, float *out, int64_t T, int64_t I);
 void plinth_gelu_tanh_and_mul(const float *x, float *out, int64_t T, int64_t I);
+void plinth_apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, int64_t S, int64_t V, int64_t W);
 void plinth_rotary(const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T, int64_t H, int64_t D, int64_t rotary_dim);
 void plinth_write_kv(const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs);
 int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);

@@ -1473,6 +1473,25 @@ void plinth_gelu_tanh_and_mul(const float *x, float *out, int64_t T, int64_t I) 
     parallel_for(silu_range, &c, T, grain_for(T, 8));
 }
 
+/* Structured output: logits[s, t] = -inf where bit t % 32 of word t // 32 of row s of the bitmask
+ * [S, W] is clear (llguidance's layout). One pass on the calling thread: a constrained step masks a
+ * few rows of the vocabulary, far less work than waking the pool for. Words with every bit set
+ * (the common case in free-text parts of a grammar) are skipped. */
+void plinth_apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, int64_t S, int64_t V,
+                                int64_t W) {
+    for (int64_t s = 0; s < S; s++) {
+        float *row = logits + s * stride;
+        const uint32_t *bits = (const uint32_t *)(bitmask + s * W);
+        for (int64_t w = 0; w < W && w * 32 < V; w++) {
+            uint32_t b = bits[w];
+            if (b == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, n = V - base < 32 ? V - base : 32;
+            for (int64_t i = 0; i < n; i++)
+                if (!((b >> i) & 1u)) row[base + i] = -INFINITY;
+        }
+    }
+}
+
 typedef struct {
     const float *x;
     int64_t sx;

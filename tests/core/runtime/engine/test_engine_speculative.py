@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from engine_helpers import save_tiny_folder
 from plinth import LLM, SamplingParams
 from plinth.config import EngineConfig
 from plinth.runtime.parts import InvalidRequest
+from plinth.sampling_params import StructuredOutputs
 from plinth.sched.draft import NgramDrafter
 from plinth.sched.request import Request
 from plinth.validation import InvalidParameter
@@ -136,6 +138,30 @@ def test_mixed_batches_forks_seeds_penalties_and_logprobs(folder: Path) -> None:
     llm = _llm(folder, k=4, noisy=True)
     assert _outputs(llm, PROMPTS, params) == want
     assert llm.engine.scheduler.spec_stats.num_drafts > 10
+
+
+def test_constrained_requests_never_draft_and_keep_their_grammar(folder: Path) -> None:
+    """A structured-output request batched with speculating ones: it decodes one token per step
+    (``may_speculate``) under its mask, the others' drafts do not disturb it."""
+    regex = StructuredOutputs(regex=r"(yes|no)( (yes|no)){5}")
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0, max_tokens=40, structured=regex)]
+    want = _outputs(_llm(folder), PROMPTS[:4], params)
+    llm = _llm(folder, k=4)
+    seen: list[tuple[bool, int]] = []  # (constrained, drafts) of each chunk the drafter was asked about
+    inner = llm.engine.scheduler.drafter
+
+    class Recording:
+        def propose(self, request: Request[Any], max_tokens: int) -> list[int]:
+            drafts: list[int] = inner.propose(request, max_tokens)
+            seen.append((request.params.structured is not None, len(drafts)))
+            return drafts
+
+    llm.engine.scheduler.drafter = Recording()
+    got = _outputs(llm, PROMPTS[:4], params)
+    assert got == want
+    assert re.fullmatch(r"(yes|no)( (yes|no)){5}", got[3][1])
+    assert any(c for c, _ in seen) and all(n == 0 for c, n in seen if c)
+    assert llm.engine.scheduler.spec_stats.num_drafts > 5
 
 
 def test_stop_tokens_stop_strings_and_max_tokens(folder: Path, plain: list[tuple[Any, ...]]) -> None:
