@@ -334,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_latency_arguments(bench_lat)
     _verbose_arg(bench_lat)
     bench_lat.set_defaults(func=run_bench_latency)
+    from plinth.bench.speculative import add_bench_speculative_arguments, run_bench_speculative
+
+    bench_spec = bench_sub.add_parser(
+        "speculative", help="batch-1 decode with and without n-gram speculative decoding, side by side"
+    )
+    add_bench_speculative_arguments(bench_spec)
+    _verbose_arg(bench_spec)
+    bench_spec.set_defaults(func=run_bench_speculative)
 
     from plinth_conformance.cli import add_subcommands  # ships in this distribution
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from plinth.validation import check_bool, check_float, check_int, check_str
+from plinth.validation import InvalidParameter, check_bool, check_float, check_int, check_str
 
 #: The values of :attr:`EngineConfig.quantization`.
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
@@ -54,6 +54,16 @@ class EngineConfig:
       (a dead worker fails it at once; a hung one at this timeout).
     - ``distributed_executor``: "mp" starts the workers as processes on this host; "ray" as Ray actors
       on an existing Ray cluster, placed by a placement group (``pip install ray``).
+    - ``num_speculative_tokens`` (0-16): n-gram (prompt-lookup) speculative decoding: each decoding
+      sequence gets up to this many draft tokens per step, looked up in its own prompt + output, and
+      verified in the same forward (distribution-preserving; greedy outputs are unchanged); 0: off.
+      Single-process engines only, not with static-shape (step-bucket) backends. See docs/serving.md.
+    - ``ngram_prompt_lookup_max`` / ``ngram_prompt_lookup_min`` (1-16, min <= max): the longest and
+      shortest suffix of a sequence looked up for drafts (the longest that occurs wins; then the
+      most recent occurrence). Defaults 6 and 3: replaying the greedy answers of ``plinth bench
+      speculative`` through the lookup, a minimum of 2 drafts at 9% of the tokens of the
+      non-repetitive answers with 18% of drafts accepted (mostly wasted verification), 3 at 3% with 34%
+      accepted; the repetitive answers' acceptance rises from 82% to 94% (k = 4).
     """
 
     model: str | None = None
@@ -78,6 +88,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
     distributed_executor: Literal["mp", "ray"] = "mp"
+    num_speculative_tokens: int = 0
+    ngram_prompt_lookup_max: int = 6
+    ngram_prompt_lookup_min: int = 3
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -110,6 +123,15 @@ class EngineConfig:
             "distributed_executor": check_str(
                 owner, "distributed_executor", self.distributed_executor, choices=DISTRIBUTED_EXECUTORS
             ),
+            "num_speculative_tokens": check_int(
+                owner, "num_speculative_tokens", self.num_speculative_tokens, ge=0, le=16
+            ),
+            "ngram_prompt_lookup_max": check_int(
+                owner, "ngram_prompt_lookup_max", self.ngram_prompt_lookup_max, ge=1, le=16
+            ),
+            "ngram_prompt_lookup_min": check_int(
+                owner, "ngram_prompt_lookup_min", self.ngram_prompt_lookup_min, ge=1, le=16
+            ),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -117,6 +139,19 @@ class EngineConfig:
             raise ValueError(
                 f"{owner}: tensor_parallel_size {self.tensor_parallel_size} with pipeline_parallel_size "
                 f"{self.pipeline_parallel_size}: the two are not combined yet (use one of them)"
+            )
+
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise InvalidParameter(
+                owner,
+                "ngram_prompt_lookup_min",
+                f"must not exceed ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max}), "
+                f"got {self.ngram_prompt_lookup_min}",
+            )
+        if self.num_speculative_tokens and self.world_size > 1:
+            raise ValueError(
+                f"{owner}: num_speculative_tokens with {self.world_size} ranks: speculative decoding runs "
+                "in single-process engines only (tensor_parallel_size = pipeline_parallel_size = 1)"
             )
 
     @property

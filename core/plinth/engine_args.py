@@ -56,6 +56,33 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a collective waits for a rank before the engine fails (default 60)",
     )
+    add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """``--num-speculative-tokens --ngram-prompt-lookup-max --ngram-prompt-lookup-min`` (vLLM's names)."""
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int_at_least(0),
+        default=None,
+        metavar="K",
+        help="n-gram (prompt-lookup) speculative decoding: up to K draft tokens per step, looked up in each "
+        "sequence's own prompt + output and verified in the same forward (default 0: off; docs/serving.md)",
+    )
+    p.add_argument(
+        "--ngram-prompt-lookup-max",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the longest suffix of a sequence looked up for drafts (default 6)",
+    )
+    p.add_argument(
+        "--ngram-prompt-lookup-min",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the shortest suffix that counts as a match (default 3)",
+    )
 
 
 def positive_int(text: str) -> int:
@@ -121,6 +148,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs",
         "max_num_batched_tokens",
         "kv_cache_prefault",
+        "num_speculative_tokens",
+        "ngram_prompt_lookup_max",
+        "ngram_prompt_lookup_min",
     ):
         value = getattr(args, field, None)
         if value is not None:

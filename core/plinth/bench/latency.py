@@ -186,6 +186,10 @@ def run_bench_latency(args: argparse.Namespace) -> int:
         result.update(measure_cold_start(args.model, args.backend))
     # ops that ran on the reference kernel: figures measured with any are not the backend's
     result["kernel_fallbacks"] = list(llm.engine.kernels.fallbacks)
+    if llm.engine.config.num_speculative_tokens:
+        from plinth.bench.speculative import spec_summary
+
+        result.update(spec_summary(llm.engine.scheduler))
     line = (
         f"{result['backend']}: batch-1 decode {result['decode_tok_s']:.1f} tok/s "
         f"({args.input_len}-token prompt, {args.output_len} tokens), time to first token {result['ttft_s']:.3f} s"
@@ -201,6 +205,12 @@ def run_bench_latency(args: argparse.Namespace) -> int:
         f"{result['decode_tok_s_runs']} tok/s, each against the probes just before and after it: "
         f"{result['read_probe_gbps_runs']} GB/s)"
     )
+    if "spec_acceptance_rate" in result:
+        line += (
+            f"\n  speculative decoding: {100 * result['spec_acceptance_rate']:.0f}% of "
+            f"{result['spec_draft_tokens']} draft tokens accepted, {result['spec_accepted_tokens_per_step']:.2f} "
+            "accepted tokens per step with drafts (random prompts rarely repeat: see `plinth bench speculative`)"
+        )
     line += "".join(f"\n  reference fallback: {note}" for note in result["kernel_fallbacks"])
     print(line)
     if args.json:

@@ -85,12 +85,21 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     else:
         requests = synthetic(args.num_prompts, llm.engine.model_config.vocab_size, seed=args.seed)
     result = run_throughput(llm, requests, progress=not args.no_progress)
+    if llm.engine.config.num_speculative_tokens:
+        from plinth.bench.speculative import spec_summary
+
+        result.update(spec_summary(llm.engine.scheduler))
     print(
         f"{result['requests']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens "
         f"in {result['elapsed_s']:.1f} s on {result['backend']}: {result['output_tok_s']:.1f} output tok/s, "
         f"{result['total_tok_s']:.1f} total tok/s, KV waste {result['kv_waste_pct']:.1f}%, "
         f"{result['preemptions']} preemptions"
     )
+    if "spec_acceptance_rate" in result:
+        print(
+            f"  speculative decoding: {100 * result['spec_acceptance_rate']:.0f}% of {result['spec_draft_tokens']} "
+            f"draft tokens accepted, {result['spec_accepted_tokens_per_step']:.2f} accepted tokens per step with drafts"
+        )
     for note in result["kernel_fallbacks"]:
         print(f"  reference fallback: {note}")
     if args.json:

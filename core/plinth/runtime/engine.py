@@ -28,8 +28,10 @@ from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, load_parts
 from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
+from plinth.runtime.speculative import may_speculate
 from plinth.runtime.static import ModelStepProgram, StaticSteps
 from plinth.sampling_params import SamplingParams
+from plinth.sched.draft import NgramDrafter
 from plinth.sched.output import EngineFinishes
 from plinth.sched.request import Request, RequestStatus, StopCriteria
 from plinth.sched.scheduler import Scheduler
@@ -147,12 +149,18 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             mixed_batches=caps.mixed_batches,
             block_placement=caps.block_placement,
+            drafter=self._drafter(config),
         )
         graphs = None
         #: the static-shape path (API 1.5), where the backend declares step buckets; else None
         self.static: StaticSteps | None = None
         max_blocks_per_seq = -(-self.max_model_len // block_size)
         buckets = backend.step_buckets(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq)
+        if buckets is not None and config.num_speculative_tokens:
+            raise InvalidRequest(
+                f"backend {backend.name!r} compiles static-shape steps, which take 1-token decodes only: "
+                "speculative decoding (num_speculative_tokens) is not available on it"
+            )
         if buckets is not None and world > 1:
             raise InvalidRequest(
                 f"backend {backend.name!r} compiles static-shape steps: tensor and pipeline parallelism "
@@ -205,6 +213,18 @@ class LLMEngine:
             num_blocks,
             block_size,
             dtype,
+        )
+
+    @staticmethod
+    def _drafter(config: EngineConfig) -> NgramDrafter[SamplingParams] | None:
+        """The n-gram drafter when speculative decoding is on (``num_speculative_tokens`` > 0)."""
+        if not config.num_speculative_tokens:
+            return None
+        return NgramDrafter(
+            config.num_speculative_tokens,
+            config.ngram_prompt_lookup_max,
+            config.ngram_prompt_lookup_min,
+            allow=may_speculate,
         )
 
     def _static_steps(
@@ -437,7 +457,8 @@ class LLMEngine:
             self.fatal = e
             raise
         sampled = {seq_id: r.token_id for seq_id, r in results.items()}
-        advanced = self.scheduler.update(sched_out, sampled)
+        accepted = {seq_id: [a.token_id for a in r.accepted] for seq_id, r in results.items() if r.accepted}
+        advanced = self.scheduler.update(sched_out, sampled, accepted)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         stopped = []  # sequences whose text reached a stop string: finished in one call below
@@ -470,8 +491,10 @@ class LLMEngine:
     def _observe(
         self, group: _Group, seq: _Sequence, req: Request[SamplingParams], result: SampleResult, now: float
     ) -> bool:
-        """Take the sequence's new token (``result`` is its sample); True when its text now ends in
-        a stop string (the caller finishes it in the scheduler)."""
+        """Take the sequence's new tokens (``result`` is its sample, after any accepted drafts'
+        results); True when its text now ends in a stop string (the caller finishes it in the
+        scheduler). A step with drafts brings several tokens: each is taken as a plain step would,
+        and those after a stop string are dropped."""
         new_ids = req.output_token_ids[seq.num_seen :]
         if not new_ids:
             return False
@@ -479,24 +502,27 @@ class LLMEngine:
         m = group.metrics
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
-        m.num_generated_tokens += len(new_ids)
         m.num_cached_prompt_tokens = max(m.num_cached_prompt_tokens, req.num_cached_prompt_tokens)
         m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
-        if seq.logprobs is not None:
-            seq.logprobs.append(TokenLogprob(result.token_id, result.logprob or 0.0, result.top_logprobs or []))
-        seq.detok.step(new_ids)
-        if req.status.finished:
-            seq.detok.flush()  # the sequence is over: emit any held-back partial character
-            seq.finish_reason = req.status.finish_reason
-            last = new_ids[-1]
-            if req.status is RequestStatus.FINISHED_STOPPED and last in req.stop.stop_token_ids:
-                seq.stop_reason = last
-            return False
-        stop = self._find_stop_string(group.params, seq)
-        if stop is None:
-            return False
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
+        emitted = [*result.accepted, result] if result.accepted else [result]
+        last = len(new_ids) - 1
+        for i, token in enumerate(new_ids):
+            m.num_generated_tokens += 1
+            if seq.logprobs is not None:
+                r = emitted[min(i, len(emitted) - 1)]
+                seq.logprobs.append(TokenLogprob(r.token_id, r.logprob or 0.0, r.top_logprobs or []))
+            seq.detok.step([token])
+            if i == last and req.status.finished:
+                seq.detok.flush()  # the sequence is over: emit any held-back partial character
+                seq.finish_reason = req.status.finish_reason
+                if req.status is RequestStatus.FINISHED_STOPPED and token in req.stop.stop_token_ids:
+                    seq.stop_reason = token
+                return False
+            stop = self._find_stop_string(group.params, seq)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
 
     def _find_stop_string(self, params: SamplingParams, seq: _Sequence) -> str | None:
         """The earliest stop string in the text added since the last scan (a stop may straddle the

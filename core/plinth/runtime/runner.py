@@ -16,6 +16,7 @@ from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceS
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.pooler import Pooler
 from plinth.runtime.sampler import Sampler, SampleResult
+from plinth.runtime.speculative import logit_rows, verify
 from plinth.runtime.static import StaticSteps, decode_first
 from plinth.sampling_params import SamplingParams
 from plinth.sched.output import ScheduledChunk, SchedulerOutput
@@ -153,6 +154,8 @@ class ModelRunner:
         # embedding requests' chunks (the engine refuses them on the static path); rank 0 pools
         pooling = [i for i, s in enumerate(scheduled) if s.pool is not None] if self.sample else []
         graphs = self.graphs
+        if any(s.draft_token_ids for s in scheduled):  # step graphs and static shapes take 1-token decodes only
+            return self._execute_drafts(scheduled, sampling, masks)
         if self.static is not None:
             if not scheduled:
                 return {}
@@ -182,6 +185,18 @@ class ModelRunner:
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
             last = hidden.index_select(0, idx)
         return self._sample(self.model.compute_logits(last), scheduled, sampling, masks)  # logits [S, V]
+
+    def _execute_drafts(
+        self, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int], masks: StepMasks | None
+    ) -> dict[SequenceId, SampleResult]:
+        """An eager step with draft tokens: logits at every position of each speculating chunk."""
+        if self.static is not None:
+            raise RuntimeError("a static-shape step cannot take draft tokens (the engine refuses speculation there)")
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+        idx = torch.tensor(logit_rows(scheduled, sampling), device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [R, V]
+        return verify(self.sampler, logits, scheduled, sampling, masks) if self.sample else {}
 
     def _sample(
         self,

@@ -4,7 +4,7 @@ seeds, logprobs."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,11 +19,16 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class SampleResult:
-    """The sampled token and, when asked for, its logprob and the top-n alternatives."""
+    """The sampled token and, when asked for, its logprob and the top-n alternatives.
+
+    ``accepted``: after a step with draft tokens (``plinth.runtime.speculative``), the results of
+    the drafts accepted before ``token_id``, in order; empty otherwise.
+    """
 
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    accepted: list[SampleResult] = field(default_factory=list)
 
 
 class Sampler:
@@ -53,6 +58,20 @@ class Sampler:
             gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # any int (seed + sample index) maps into uint64
             self._generators[seq_id] = gen
         return gen
+
+    def generator_state(self, sample: Sample[SamplingParams]) -> torch.Tensor:
+        """The state of a seeded sample's generator (made now if it has none yet), for :meth:`rewind`."""
+        assert sample.seed is not None
+        return self._generator(sample.seq_id, sample.seed).get_state()
+
+    def rewind(self, sample: Sample[SamplingParams], state: torch.Tensor, draws: int, vocab: int) -> None:
+        """Put a seeded sample's generator back to ``state`` advanced by ``draws`` noise rows of
+        ``vocab``: as if a step with draft tokens had drawn rows only for the tokens it emitted."""
+        gen = self._generators[sample.seq_id]
+        gen.set_state(state)
+        row = torch.empty(vocab)
+        for _ in range(draws):  # row by row, as sample() draws them
+            row.exponential_(generator=gen)
 
     def sample(
         self,

@@ -144,6 +144,16 @@ class KVCacheManager:
         table.extend(self.pool.allocate(num_new_blocks))
         return [b.block_id for b in table]
 
+    def trim(self, request: Request) -> None:
+        """Return the blocks past ``num_computed_tokens`` (the lookahead of draft tokens that were
+        rejected), tail first, so the table covers exactly the computed tokens again."""
+        table = self._tables.get(request.seq_id)
+        keep = _cdiv(request.num_computed_tokens, self.block_size)
+        if table is not None and len(table) > keep:
+            unused = table[keep:]
+            del table[keep:]
+            self.pool.release(reversed(unused))
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks below ``num_computed_tokens`` in the prefix cache.
 

@@ -24,6 +24,10 @@ class ScheduledChunk(Generic[P]):
     sequence's own sample normally, and ``n`` (sequence ids ``(request_id, 0 .. n-1)``) the first
     time a request with ``n`` > 1 samples: it then forks into those sequences. An embedding
     request's chunk samples nothing and names its ``pool`` instead (None for every other chunk).
+
+    ``draft_token_ids`` (speculative decoding; ``plinth.sched.draft``) are the last tokens of
+    ``token_ids``, proposed rather than known: the sequence's own sample is then taken from the
+    logits of every one of its last ``1 + len(draft_token_ids)`` tokens, to verify the drafts.
     """
 
     seq_id: SequenceId
@@ -32,6 +36,7 @@ class ScheduledChunk(Generic[P]):
     block_ids: list[int]
     samples: tuple[Sample[P], ...]
     pool: Pool | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_samples(self) -> int:

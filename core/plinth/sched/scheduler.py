@@ -9,15 +9,20 @@ a scheduled request's ``num_computed_tokens`` already counts the tokens schedule
 about to run writes their K/V). ``update()`` must then be called with that output, before the next
 ``schedule()``, to append the sampled tokens; it also registers the blocks the step filled in the
 prefix cache (only then are they really computed).
+
+Speculative decoding (``plinth.sched.draft``): a decoding request may get draft tokens after its
+last token; they advance ``num_computed_tokens`` like any other, and ``update()`` rolls back the
+rejected ones (their K/V is overwritten later) and returns the blocks only they used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Generic
 
+from plinth.sched.draft import Drafter, NoDrafter, SpecDecodeStats
 from plinth.sched.kv_cache_manager import KVCacheManager
 from plinth.sched.output import EngineFinishes, ScheduledChunk, SchedulerOutput
 from plinth.sched.phase import DECODE, AlternatingPhases, MixedBatches, Phase, PhasePolicy, has_decode_work
@@ -65,6 +70,8 @@ class Scheduler(Generic[P]):
         phase of the last output ("decode" / "prefill"; None when mixed or empty).
     :param block_placement: the block pool's placement, ``"any"`` or ``"contiguous"`` (lowest free
         block ids first); see ``plinth.sched.block_pool``.
+    :param drafter: proposes draft tokens for decoding requests (speculative decoding); default
+        :class:`~plinth.sched.draft.NoDrafter`, none. ``spec_stats`` counts drafts and acceptances.
 
     ``P`` is the type of the requests' sampling parameters, passed through to the runner untouched.
     """
@@ -81,6 +88,7 @@ class Scheduler(Generic[P]):
         long_prefill_token_threshold: int = 0,
         mixed_batches: bool = True,
         block_placement: str = "any",
+        drafter: Drafter[P] | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(
@@ -121,6 +129,8 @@ class Scheduler(Generic[P]):
         self.num_preemptions_total = 0  # preemptions since start
         self.prefix_cache_query_tokens = 0  # tokens of requests admitted (preempted ones again)
         self.prefix_cache_hit_tokens = 0  # of those, tokens found in the prefix cache
+        self.drafter: Drafter[P] = drafter or NoDrafter()
+        self.spec_stats = SpecDecodeStats()  # draft tokens proposed and accepted since start
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -330,6 +340,9 @@ class Scheduler(Generic[P]):
         # gets there (update() forks it into the sequences its samples name). num_computed_tokens
         # advances here, optimistically. An embedding request is a prompt that samples nothing:
         # its chunks name a Pool instead, and update() finishes it after its final chunk ran.
+        # A running request with 1 token left may also get the drafter's tokens behind it (budget
+        # permitting; without them if their blocks do not fit, before anyone is preempted);
+        # update() takes back the rejected ones.
         # Without mixed batches, steps 1 and 2 run in one phase (plinth.sched.phase): a decode step
         # takes only running requests with 1 token left and admits nobody; a prefill step takes
         # only running requests with more left, then admits as in 2. Others are skipped, never
@@ -386,7 +399,11 @@ class Scheduler(Generic[P]):
                 i += 1
                 continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            block_ids = kv.allocate_slots(request, num_new)
+            drafts = self._draft(request, num_new, budget)
+            block_ids = kv.allocate_slots(request, num_new + len(drafts))
+            if block_ids is None and drafts:  # no room for the lookahead: decode without it first
+                drafts = []
+                block_ids = kv.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -394,11 +411,24 @@ class Scheduler(Generic[P]):
                 if victim is request:
                     return budget
                 block_ids = kv.allocate_slots(request, num_new)
-            scheduled.append(self._advance(request, num_new, block_ids))
+            scheduled.append(self._advance(request, num_new, block_ids, drafts))
             requests.append(request)
-            budget -= num_new
+            budget -= num_new + len(drafts)
             i += 1
         return budget
+
+    def _draft(self, request: Request[P], num_new: int, budget: int) -> list[int]:
+        """The drafter's tokens for a decode (none for a prefill chunk or the step a request with
+        ``n`` > 1 forks), as many as the budget, ``max_tokens`` and the context length leave room for
+        behind the token the step samples anyway."""
+        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or self._seats(request) > 1:
+            return []
+        room = min(
+            budget - 1,
+            request.stop.max_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.drafter.propose(request, room) if room > 0 else []
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledChunk[P]], requests: list[Request[P]]) -> int:
         """Step 2 of ``schedule()``: admit waiting requests in FIFO order. Returns the budget left."""
@@ -430,27 +460,41 @@ class Scheduler(Generic[P]):
             budget -= num_new
         return budget
 
-    def _advance(self, request: Request[P], num_new: int, block_ids: list[int]) -> ScheduledChunk[P]:
-        """Describe the request's chunk and advance its ``num_computed_tokens`` past it."""
+    def _advance(
+        self, request: Request[P], num_new: int, block_ids: list[int], drafts: list[int] | None = None
+    ) -> ScheduledChunk[P]:
+        """Describe the request's chunk (its ``drafts`` behind it) and advance ``num_computed_tokens`` past it."""
         start = request.num_computed_tokens
         end = start + num_new
-        request.num_computed_tokens = end
+        tokens = _token_slice(request, start, end)
+        if drafts:
+            tokens += drafts
+        request.num_computed_tokens = end + len(drafts or ())
         return ScheduledChunk(
             seq_id=request.seq_id,
-            token_ids=_token_slice(request, start, end),
+            token_ids=tokens,
             start_position=start,
             block_ids=block_ids,
             samples=self._samples(request, end),
             pool=None if request.pooling is None else Pool(request.pooling, end >= request.num_tokens),
+            draft_token_ids=drafts or [],
         )
 
-    def update(self, output: SchedulerOutput[P], sampled: Mapping[SequenceId, int]) -> list[Request[P]]:
+    def update(
+        self,
+        output: SchedulerOutput[P],
+        sampled: Mapping[SequenceId, int],
+        accepted: Mapping[SequenceId, Sequence[int]] | None = None,
+    ) -> list[Request[P]]:
         """Take the step's sampled tokens: append, fork, check stop conditions, free finished sequences.
 
         :param output: the output of the last ``schedule()``.
         :param sampled: one token id for every sample of the output, keyed by the sample's
             ``seq_id`` (at a fork, sample ``k`` starts the new sequence ``(request_id, k)``).
             Sequences finished or aborted since ``schedule()`` are skipped.
+        :param accepted: for a chunk with draft tokens, the drafts the sampler accepted (a prefix
+            of them; missing: none); they come before the sequence's sampled token, the stop
+            conditions apply to each in order, and tokens past a stop are dropped.
         :return: the sequences that got a token this step, new forks included, in schedule order;
             those that finished have a finished status (and hold no blocks any more).
         """
@@ -464,6 +508,12 @@ class Scheduler(Generic[P]):
         any_finished = False
         for s, request in zip(output.scheduled, requests, strict=True):
             if request.is_finished:  # finished or aborted while the step ran
+                continue
+            if s.draft_token_ids:
+                changed.append(request)
+                taken = accepted.get(request.seq_id, ()) if accepted else ()
+                token = _sampled_token(sampled, request.seq_id)
+                any_finished |= self._take_drafts(request, s.draft_token_ids, taken, token)
                 continue
             kv.cache_computed_blocks(request)  # the step ran: these blocks are computed now
             samples = s.samples
@@ -487,6 +537,25 @@ class Scheduler(Generic[P]):
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return changed
+
+    def _take_drafts(self, request: Request[P], drafts: list[int], accepted: Sequence[int], token: int) -> bool:
+        """Append a speculating step's accepted drafts and sampled token, each checked for a stop;
+        roll ``num_computed_tokens`` back past the rejected drafts and return the blocks only they
+        used. True when the request finished."""
+        n = len(accepted)
+        if list(accepted) != drafts[:n]:
+            raise ValueError(f"the tokens accepted for sequence {request.seq_id} are not a prefix of its drafts")
+        self.spec_stats.record(len(drafts), n)
+        request.num_computed_tokens -= len(drafts) - n  # the rejected drafts' K/V gets overwritten later
+        for t in (*accepted, token):
+            request.output_token_ids.append(t)
+            status = self._stop_status(request)
+            if status is not None:
+                self._finish(request, status)
+                return True
+        self.kv_cache_manager.cache_computed_blocks(request)
+        self.kv_cache_manager.trim(request)
+        return False
 
     def _fork(self, parent: Request[P], first_tokens: list[int]) -> list[Request[P]]:
         """Fork ``parent`` into ``len(first_tokens)`` more sequences sharing its blocks.

@@ -64,6 +64,9 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     num_failed_steps_total: int = 0
+    spec_num_drafts_total: int = 0  # speculative decoding: sequence-steps that carried drafts
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,4 +337,7 @@ class AsyncEngine:
             prefix_cache_queries_total=s.prefix_cache_query_tokens,
             prefix_cache_hits_total=s.prefix_cache_hit_tokens,
             num_failed_steps_total=self._failed_steps,
+            spec_num_drafts_total=s.spec_stats.num_drafts,
+            spec_num_draft_tokens_total=s.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens_total=s.spec_stats.num_accepted_tokens,
         )

@@ -70,6 +70,16 @@ class _EngineCollector(Collector):
         yield counter("plinth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
         yield counter("plinth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_total)
         yield counter("plinth:engine_step_failures", "Engine steps that raised.", s.num_failed_steps_total)
+        # speculative decoding (vLLM's names); zeros while it is off
+        drafts, proposed = s.spec_num_drafts_total, s.spec_num_draft_tokens_total
+        accepted = s.spec_num_accepted_tokens_total
+        yield counter("plinth:spec_decode_num_drafts", "Sequence-steps that carried draft tokens.", drafts)
+        yield counter("plinth:spec_decode_num_draft_tokens", "Draft tokens proposed.", proposed)
+        yield counter("plinth:spec_decode_num_accepted_tokens", "Draft tokens accepted.", accepted)
+        rate_doc = "Accepted over proposed draft tokens since start (0 before any)."
+        yield gauge("plinth:spec_decode_acceptance_rate", rate_doc, accepted / proposed if proposed else 0.0)
+        per_step_doc = "Draft tokens accepted per sequence-step with drafts, since start (each also samples one token)."
+        yield gauge("plinth:spec_decode_accepted_tokens_per_step", per_step_doc, accepted / drafts if drafts else 0.0)
 
 
 class ServerMetrics:

@@ -31,6 +31,12 @@ def _closed_port() -> int:
         (["bench", "throughput", "--json", "."], "'.' is a directory; name a file"),
         (["bench", "latency", "--output-len", "1"], "argument --output-len: must be at least 2"),
         (["bench", "latency", "--iters", "0"], "argument --iters: must be at least 1"),
+        (["bench", "speculative", "--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
+        (
+            ["bench", "latency", "--num-speculative-tokens", "-1"],
+            "argument --num-speculative-tokens: must be at least 0",
+        ),
+        (["bench", "speculative", "--ngram-prompt-lookup-min", "0"], "argument --ngram-prompt-lookup-min: must be at"),
     ],
 )
 def test_bad_bench_options_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

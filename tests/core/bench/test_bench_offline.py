@@ -79,3 +79,22 @@ def test_cold_start_is_process_start_to_first_token_with_its_phases(tmp_path: Pa
     assert all(v >= -0.01 for v in phases.values())  # engine_other mixes two clocks: ms of jitter
     assert result["cold_start_s"] > 0
     assert sum(phases.values()) == pytest.approx(result["cold_start_s"], abs=0.02)
+
+
+def test_speculative_side_by_side_on_a_tiny_model(tmp_path: Path) -> None:
+    from engine_helpers import save_tiny_folder
+
+    from plinth import LLM
+    from plinth.bench.speculative import measure_speculative, spec_summary
+
+    save_tiny_folder("llama", tmp_path)
+    options = dict(model=str(tmp_path), backend="cpu", num_kv_blocks=128, block_size=16)
+    plain, spec = LLM(**options), LLM(**options, num_speculative_tokens=3)  # type: ignore[arg-type]
+    result = measure_speculative(plain, spec, max_tokens=12, iters=1)
+    for name in ("repetitive", "non_repetitive"):
+        r = result[name]
+        assert r["plain_decode_tok_s"] > 0 and r["spec_decode_tok_s"] > 0 and r["requests"] == 4
+        assert 0.0 <= r["acceptance_rate"] <= 1.0
+    summary = spec_summary(spec.engine.scheduler)
+    assert summary["spec_drafts"] > 0  # the tiny model repeats itself: drafts are proposed
+    assert summary["spec_accepted_tokens_per_step"] <= 3
