@@ -18,7 +18,8 @@ from typing import Any
 from plinth.bench import BenchError, output_path
 from plinth.engine_args import add_engine_arguments, engine_options, positive_int
 
-_CODE = """def parse_config(path):
+#: a function the repetitive workload asks the model to repeat or edit (the engine tests use it too)
+SAMPLE_CODE = """def parse_config(path):
     with open(path) as f:
         lines = f.read().splitlines()
     config = {}
@@ -48,8 +49,9 @@ _CODE2 = """class Stack:
 
 #: chat messages whose answers copy much of the prompt (code editing)
 REPETITIVE = [
-    f"Here is a function:\n\n```python\n{_CODE}```\n\nRepeat it exactly, in a code block, with no other text.",
-    f"```python\n{_CODE}```\n\nRename `config` to `settings` in this function. Reply with the whole function only.",
+    f"Here is a function:\n\n```python\n{SAMPLE_CODE}```\n\nRepeat it exactly, in a code block, with no other text.",
+    f"```python\n{SAMPLE_CODE}```\n\nRename `config` to `settings` in this function. "
+    "Reply with the whole function only.",
     f"```python\n{_CODE2}```\n\nAdd type hints to this class. Reply with the whole class only.",
     f"```python\n{_CODE2}```\n\nRename the class to `LifoStack`. Reply with the whole class only, in a code block.",
 ]

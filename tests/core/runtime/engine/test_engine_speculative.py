@@ -11,6 +11,7 @@ import pytest
 from engine_helpers import save_tiny_folder
 
 from plinth import LLM, SamplingParams
+from plinth.bench.speculative import SAMPLE_CODE
 from plinth.config import EngineConfig
 from plinth.runtime.parts import InvalidRequest
 from plinth.sampling_params import StructuredOutputs
@@ -206,18 +207,7 @@ def test_static_shape_backends_refuse_speculation(folder: Path) -> None:
         LLMEngine(config, host=host_with("test", StaticReference()))
 
 
-CODE = """def parse_config(path):
-    with open(path) as f:
-        lines = f.read().splitlines()
-    config = {}
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, value = line.split("=", 1)
-        config[key.strip()] = value.strip()
-    return config
-"""
+CODE = SAMPLE_CODE
 
 
 @pytest.mark.slow
