@@ -119,8 +119,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = body.sampling_params(max_tokens, body.logprobs)
     if params.logit_bias:
         st.check_token_ids(list(params.logit_bias), "logit_bias")
-    if (constraint := body.structured()) is not None:
-        await st.check_structured(*constraint)
+    if params.structured is not None:  # built once, by sampling_params
+        await st.check_structured(params.structured, body.structured_param)
     prompt_ids: list[list[int]] = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
@@ -238,8 +238,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = body.sampling_params(max_tokens, logprobs)
     if params.logit_bias:
         st.check_token_ids(list(params.logit_bias), "logit_bias")
-    if (constraint := body.structured()) is not None:
-        await st.check_structured(*constraint)
+    if params.structured is not None:  # built once, by sampling_params
+        await st.check_structured(params.structured, body.structured_param)
     tools = body.tool_list
     if (calls_only := body.call_constraint()) is not None:  # a required or named call: the reply is calls
         await st.check_structured(calls_only, "tools")

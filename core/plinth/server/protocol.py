@@ -133,6 +133,11 @@ class SamplingFields(_Strict):
         None, description="plinth's extra: one of json, json_object, regex, choice, grammar"
     )
 
+    @property
+    def structured_param(self) -> str:
+        """The field a constraint came from, for errors: ``structured_outputs`` or ``response_format``."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
     def structured(self) -> tuple[StructuredOutputs, str] | None:
         """The constraint the request asks for and the field it came from; None for plain text."""
         rf = self.response_format
