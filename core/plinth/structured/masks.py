@@ -141,7 +141,8 @@ class StructuredOutputs:
         matcher = self._matchers.get(seq_id)
         if matcher is None:
             return False
-        if token_id in self.compiler.eos_token_ids:
+        assert self._compiler is not None  # a matcher exists, so its compiler does (no lock per token)
+        if token_id in self._compiler.eos_token_ids:
             return False  # the scheduler ends it on its own stop token
         if not matcher.consume_token(token_id):
             # the mask allowed only valid tokens: a matcher error is a resource limit or a bug
