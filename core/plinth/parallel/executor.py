@@ -6,9 +6,11 @@ scheduler's output (its value objects, pickled) over the CPU control group; ever
 the same forward on its shard in lockstep (the model's collectives run on the backend's device
 group), and rank 0 samples.
 
-Failure: every collective has a timeout (``EngineConfig.distributed_timeout_s``); a worker that dies
-closes its sockets, so rank 0's next collective fails at once; one that hangs fails it at the
-timeout. Either way rank 0 raises :class:`WorkerFailure`, naming each dead rank and the error it
+Failure: every collective has a timeout (``EngineConfig.distributed_timeout_s``). Before each step
+rank 0 checks that every worker is still running, so one that died between steps fails the step at
+once (a gloo send to a peer that is gone can otherwise wait for the whole timeout: CI saw 60 s); one
+that dies inside a step closes its sockets, which usually fails the collective at once, and one that
+hangs fails it at the timeout. Either way rank 0 raises :class:`WorkerFailure`, naming each dead rank and the error it
 reported, and never waits forever. A worker whose start fails reports its error the same way.
 """
 
@@ -98,6 +100,8 @@ class Executor(ABC):
 
         :raises WorkerFailure: a rank is gone or the broadcast timed out (named by :meth:`diagnose`).
         """
+        if not self.alive():  # a dead peer's socket does not always fail gloo's send at once
+            raise WorkerFailure(self.diagnose("a worker is gone before the step"))
         try:
             broadcast_object(obj)
         except CollectiveError as e:
