@@ -18,6 +18,11 @@ import torch.distributed as dist
 from plinth.platform.backend import Communicator, PendingSend
 from plinth.platform.devices import HOST_COLLECTIVES
 
+#: The world's collective timeout, kept for the groups made later: torch gives a new group its own
+#: default (30 minutes for gloo), not the world's, so a rank hung inside a forward's all-reduce would
+#: hold rank 0 that long instead of ``--distributed-timeout``.
+_timeout: datetime.timedelta | None = None
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: a rank died or hangs. The message names the operation."""
@@ -25,7 +30,9 @@ class CollectiveError(RuntimeError):
 
 def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -> None:
     """Join the ``torch.distributed`` world (gloo, CPU); every collective after this times out after
-    ``timeout_s`` seconds instead of waiting for a dead rank forever."""
+    ``timeout_s`` seconds instead of waiting for a dead rank forever (the groups made after it too)."""
+    global _timeout
+    _timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         HOST_COLLECTIVES,
         init_method=init_method,
@@ -103,7 +110,7 @@ class TorchDistributedCommunicator(Communicator):
             raise RuntimeError("torch.distributed is not initialised: the core joins the world first")
         mine: TorchDistributedCommunicator | None = None
         for members in groups:
-            group = dist.new_group(list(members), backend=backend)
+            group = dist.new_group(list(members), backend=backend, timeout=_timeout)
             if rank in members:
                 mine = cls(group, list(members).index(rank), len(members), list(members))
         if mine is None:
