@@ -42,6 +42,12 @@ def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -
     )
 
 
+def world_timeout_s() -> float | None:
+    """The world's collective timeout in seconds (None before :func:`init_world`), for a communicator
+    of the backend's own that waits outside torch (a shared-memory all-reduce)."""
+    return None if _timeout is None else _timeout.total_seconds()
+
+
 def close_world() -> None:
     """Leave the world (a no-op when this process never joined)."""
     if dist.is_initialized():
