@@ -28,8 +28,15 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out: a rank died or hangs. The message names the operation."""
 
 
+#: How long the ranks get to meet at all: a worker first starts an interpreter and imports torch,
+#: which took over 5 s on a loaded 2-core host (a short --distributed-timeout failed the start). A
+#: worker that dies meanwhile is noticed at once anyway (rank 0 watches the processes).
+START_TIMEOUT_S = 60.0
+
+
 def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -> None:
-    """Join the ``torch.distributed`` world (gloo, CPU); every collective after this times out after
+    """Join the ``torch.distributed`` world (gloo, CPU), waiting up to ``max(timeout_s,``
+    :data:`START_TIMEOUT_S```)`` for the other ranks; every collective after this times out after
     ``timeout_s`` seconds instead of waiting for a dead rank forever (the groups made after it too)."""
     global _timeout
     _timeout = datetime.timedelta(seconds=timeout_s)
@@ -38,8 +45,9 @@ def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -
         init_method=init_method,
         world_size=world_size,
         rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S)),
     )
+    dist.group.WORLD.set_timeout(_timeout)  # type: ignore[union-attr]  # the collectives' own timeout
 
 
 def world_timeout_s() -> float | None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plinth.config import EngineConfig
-from plinth.parallel.comm import CollectiveError, broadcast_object, close_world, init_world
+from plinth.parallel.comm import START_TIMEOUT_S, CollectiveError, broadcast_object, close_world, init_world
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def join_world_as_rank0(init_method: str, world_size: int, timeout_s: float, gon
 
     thread = threading.Thread(target=join, name="plinth-tp-rendezvous", daemon=True)
     thread.start()
-    deadline = time.monotonic() + timeout_s + 5
+    deadline = time.monotonic() + max(timeout_s, START_TIMEOUT_S) + 5
     while thread.is_alive():
         thread.join(timeout=0.2)
         if gone() or time.monotonic() > deadline:
