@@ -75,6 +75,20 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's picklable ``obj``, in rank order, on ``dst`` (None elsewhere), over the CPU control
+    group.
+
+    :raises CollectiveError: a rank is gone or the gather timed out.
+    """
+    box: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    try:
+        dist.gather_object(obj, box, dst=dst)
+    except (RuntimeError, ValueError) as e:
+        raise CollectiveError(f"gather to rank {dst} failed: {e}") from e
+    return box
+
+
 class _Pending:
     """A ``torch.distributed`` isend (holding its buffer alive until it is done)."""
 

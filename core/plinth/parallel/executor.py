@@ -35,13 +35,46 @@ from dataclasses import dataclass
 from typing import Any
 
 from plinth.config import EngineConfig
-from plinth.parallel.comm import START_TIMEOUT_S, CollectiveError, broadcast_object, close_world, init_world
+from plinth.parallel.comm import (
+    START_TIMEOUT_S,
+    CollectiveError,
+    broadcast_object,
+    close_world,
+    gather_object,
+    init_world,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerFailure(RuntimeError):
     """A tensor-parallel rank died, hung or failed to start; the message names it and its error."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """What one rank can give the KV cache, sent to rank 0 before it sizes the cache (every rank
+    allocates the same number of blocks, so the rank with the least room decides).
+
+    :param host: this boot of this machine (ranks with the same ``host`` and ``device`` share memory).
+    :param device: the rank's device, as text.
+    :param free_bytes: the device's free memory once the rank's weights are loaded.
+    :param block_bytes: bytes of one KV block over this rank's layers and heads (pipeline stages differ).
+    """
+
+    host: str
+    device: str
+    free_bytes: int
+    block_bytes: int
+
+
+def host_identity() -> str:
+    """This boot of this machine: the kernel's boot id where there is one, else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +139,18 @@ class Executor(ABC):
             broadcast_object(obj)
         except CollectiveError as e:
             raise WorkerFailure(self.diagnose(str(e))) from e
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (rank 0's first), sent once at start-up (each rank's :class:`RankMemory`).
+
+        :raises WorkerFailure: a rank is gone or the gather timed out.
+        """
+        try:
+            got = gather_object(obj)
+        except CollectiveError as e:
+            raise WorkerFailure(self.diagnose(str(e))) from e
+        assert got is not None  # rank 0 is the destination
+        return got
 
     @abstractmethod
     def diagnose(self, what: str) -> str:

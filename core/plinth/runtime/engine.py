@@ -17,14 +17,21 @@ from plinth.config import EngineConfig, compile_cache_dir
 from plinth.model.loader import load_tokenizer
 from plinth.model.tokenizer import IncrementalDetokenizer
 from plinth.parallel.comm import CollectiveError
-from plinth.parallel.executor import Executor, WorkerFailure, WorkerSetup, default_threads, make_executor
+from plinth.parallel.executor import (
+    Executor,
+    RankMemory,
+    WorkerFailure,
+    WorkerSetup,
+    default_threads,
+    make_executor,
+)
 from plinth.platform.backend import DeviceServices, StepBuckets, torch_dtype
 from plinth.platform.host import PluginHost, default_host
 from plinth.pooling_params import PoolingParams
 from plinth.runtime.embeddings import EmbeddingRequests
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, load_parts
+from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, kv_blocks, load_parts, rank_memory
 from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
@@ -39,9 +46,6 @@ from plinth.structured.grammar import UnsupportedConstraint
 from plinth.structured.masks import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_KV_FRACTION = 0.3  # of free memory, when the user does not size the cache
-_MAX_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -123,7 +127,9 @@ class LLMEngine:
         self.startup_seconds["tokenizer"] = time.monotonic() - lap
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         specs = self.model.attention_specs()
-        num_blocks = self._num_blocks(specs, block_size, torch_dtype(kv_dtype).itemsize)
+        mine = rank_memory(parts, specs)
+        ranks = self.executor.gather(mine) if self.executor is not None else [mine]
+        num_blocks = self._num_blocks(ranks, block_size)
         fits = (num_blocks - 1) * block_size  # block 0 is the scheduler's null block
         if fits < self.max_model_len:
             if config.max_model_len is not None:
@@ -274,24 +280,10 @@ class LLMEngine:
         )
         return static
 
-    def _num_blocks(self, specs: list, block_size: int, itemsize: int) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        layout = self.backend.capabilities().kv_cache_layout  # sized from the physical shape (padding included)
-        per_block = sum(layout.block_bytes(block_size, s.num_kv_heads, s.head_size, itemsize) for s in specs)
-        if self.config.kv_cache_memory_gb is not None:
-            budget = int(self.config.kv_cache_memory_gb * (1 << 30))
-        else:
-            free, _total = self.backend.device_services().memory_info()
-            # tensor-parallel ranks on one host share its memory: each sizes its cache from its share
-            free //= self.config.world_size
-            budget = min(int(free * _DEFAULT_KV_FRACTION), _MAX_DEFAULT_KV_BYTES)
-        # never more than enough for max_num_seqs full contexts (+1 for the null block)
-        needed = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
-        blocks = min(budget // per_block, needed)
-        if blocks < 2:
-            raise InvalidRequest(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
-        return int(blocks)
+    def _num_blocks(self, ranks: list[RankMemory], block_size: int) -> int:
+        """KV blocks every rank allocates (see :func:`~plinth.runtime.parts.kv_blocks`)."""
+        needed = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1  # +1: the null block
+        return kv_blocks(ranks, self.config, needed)
 
     # -- requests ----------------------------------------------------------------------------------
 

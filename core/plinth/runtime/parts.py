@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +26,52 @@ from plinth.platform.backend import AttentionSpec, Backend, Capabilities, Device
 from plinth.platform.host import BackendStatus, PluginHost
 from plinth.platform.kernels import KernelSet, resolve_kernels
 
+if TYPE_CHECKING:
+    from plinth.parallel.executor import RankMemory
+
 _PREFERRED_BLOCK_SIZE = 16
+DEFAULT_KV_FRACTION = 0.3  # of a rank's share of free memory, when the user does not size the cache
+MAX_DEFAULT_KV_BYTES = 1 << 30
+
+
+def rank_memory(parts: ModelParts, specs: list[AttentionSpec]) -> RankMemory:
+    """This rank's room for the KV cache once its weights are loaded, and what one block costs it."""
+    from plinth.parallel.executor import RankMemory, host_identity
+
+    layout = parts.caps.kv_cache_layout  # sized from the physical shape (padding included)
+    itemsize = torch_dtype(parts.kv_dtype).itemsize
+    block_bytes = sum(layout.block_bytes(parts.block_size, s.num_kv_heads, s.head_size, itemsize) for s in specs)
+    free, _total = parts.services.memory_info()
+    return RankMemory(host_identity(), str(parts.services.device), free, block_bytes)
+
+
+def kv_blocks(ranks: list[RankMemory], config: EngineConfig, needed: int) -> int:
+    """The KV blocks every rank allocates: as many as the rank with the least room holds, at most
+    ``needed`` (``max_num_seqs`` full contexts), or ``config.num_kv_blocks`` when set.
+
+    Each rank's budget is ``config.kv_cache_memory_gb``, or a fraction of its device's free memory
+    (capped): ranks on one device (the CPU ranks of one host) share that memory, each counting its
+    share; ranks on devices of their own (GPUs, other hosts) each count all of theirs. A pipeline
+    stage's block costs its own layers' bytes, so stages of unequal depth hold different counts.
+
+    :param ranks: every rank's :class:`~plinth.parallel.executor.RankMemory`, rank 0 first.
+    :raises InvalidRequest: a rank's budget holds fewer than 2 blocks (naming the rank).
+    """
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    sharing = Counter((r.host, r.device) for r in ranks)
+    held = []
+    for rank, r in enumerate(ranks):
+        if config.kv_cache_memory_gb is not None:
+            budget = int(config.kv_cache_memory_gb * (1 << 30))
+        else:
+            share = r.free_bytes // sharing[r.host, r.device]
+            budget = min(int(share * DEFAULT_KV_FRACTION), MAX_DEFAULT_KV_BYTES)
+        if budget // r.block_bytes < 2:
+            where = f" on rank {rank}" if len(ranks) > 1 else ""
+            raise InvalidRequest(f"KV cache budget of {budget} bytes{where} holds no block of {r.block_bytes} bytes")
+        held.append(budget // r.block_bytes)
+    return int(min(*held, needed))
 
 
 def allocate_kv_caches(

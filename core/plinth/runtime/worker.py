@@ -8,10 +8,10 @@ from the same config, so both sides pick the same backend, dtype and block size.
 from __future__ import annotations
 
 from plinth.config import EngineConfig
-from plinth.parallel.comm import broadcast_object
+from plinth.parallel.comm import broadcast_object, gather_object
 from plinth.parallel.executor import WorkerSetup
 from plinth.platform.host import default_host
-from plinth.runtime.parts import allocate_kv_caches, load_parts
+from plinth.runtime.parts import allocate_kv_caches, load_parts, rank_memory
 from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 
@@ -23,6 +23,8 @@ def build_worker(config: EngineConfig, rank: int, world_size: int) -> ModelRunne
     :raises RuntimeError: rank 0 chose a block size or dtype this rank would not have.
     """
     parts = load_parts(config, default_host(), rank=rank, world_size=world_size)
+    specs = parts.model.attention_specs()
+    gather_object(rank_memory(parts, specs))  # rank 0 sizes the cache for the rank with the least room
     setup = broadcast_object(None)
     if not isinstance(setup, WorkerSetup):
         raise RuntimeError(f"rank {rank}: expected the KV-cache setup from rank 0, got {type(setup).__name__}")
@@ -30,7 +32,6 @@ def build_worker(config: EngineConfig, rank: int, world_size: int) -> ModelRunne
     theirs = (setup.block_size, setup.dtype, setup.kv_cache_dtype)
     if mine != theirs:
         raise RuntimeError(f"rank {rank} would run (block size, dtype, kv dtype) {mine}; rank 0 runs {theirs}")
-    specs = parts.model.attention_specs()
     kv_caches = allocate_kv_caches(parts.backend, specs, setup.num_blocks, prefault=config.kv_cache_prefault)
     attention = parts.kernels.attention(specs[0])
     if parts.stage is not None:
