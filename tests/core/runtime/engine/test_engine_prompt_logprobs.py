@@ -165,3 +165,23 @@ def test_static_shape_steps_refuse_and_keep_serving(tiny: tuple[Path, Any]) -> N
     engine.add_request("plain", [5, 9, 13], SamplingParams(temperature=0, max_tokens=2))
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_request_preempted_mid_prompt_scores_it_again_from_position_0(tiny: tuple[Path, Any]) -> None:
+    folder, hf = tiny
+    # 8 usable blocks of 16: the decoding request's growth preempts the scoring one mid-prompt
+    llm = LLM(model=str(folder), backend="reference", num_kv_blocks=9, block_size=16, max_num_batched_tokens=16)
+    engine = llm.engine
+    long_decode = [(7 * i) % 40000 + 100 for i in range(70)]
+    scored = [(13 * i) % 40000 + 200 for i in range(100)]
+    engine.add_request("decode", long_decode, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    engine.add_request("scored", scored, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2))
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["scored"].metrics.num_preemptions > 0
+    assert_matches(done["scored"], hf_prompt_logprobs(hf, scored), top=2)
