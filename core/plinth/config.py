@@ -48,8 +48,8 @@ class EngineConfig:
       linear weights to q8_0.
     - ``tensor_parallel_size`` (1-64): ranks the model is split over (rank 0 here, the others as
       worker processes on this host over ``torch.distributed``); see docs/scale-out.md.
-    - ``pipeline_parallel_size`` (1-64): stages the layers are split into, one rank each (not yet
-      combined with ``tensor_parallel_size`` > 1).
+    - ``pipeline_parallel_size`` (1-64): stages the layers are split into, each over
+      ``tensor_parallel_size`` ranks (``world_size`` = the product).
     - ``distributed_timeout_s``: how long a collective waits for a rank before the engine fails
       (a dead worker fails it at once; a hung one at this timeout).
     - ``distributed_executor``: "mp" starts the workers as processes on this host; "ray" as Ray actors
@@ -135,12 +135,6 @@ class EngineConfig:
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"{owner}: tensor_parallel_size {self.tensor_parallel_size} with pipeline_parallel_size "
-                f"{self.pipeline_parallel_size}: the two are not combined yet (use one of them)"
-            )
-
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
             raise InvalidParameter(
                 owner,

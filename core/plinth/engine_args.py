@@ -41,7 +41,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "-pp",
         type=positive_int,
         default=1,
-        help="split the layers into N stages, one rank each (not combined with -tp yet; docs/scale-out.md)",
+        help="split the layers into N stages, each over -tp ranks (N x TP ranks in all; docs/scale-out.md)",
     )
     p.add_argument(
         "--distributed-executor",

@@ -108,6 +108,9 @@ API    adds / changes
        ``SmallOps.rms_norm_heads`` (Qwen3/Gemma 3's q/k norm; default: heads copied dense, ``rms_norm``)
 1.9    structured output: ``SmallOps.apply_token_bitmask`` (the forbidden tokens' logits set to
        ``-inf`` from a packed int32 bitmask; default plain torch)
+1.10   tensor and pipeline parallelism together: ``DeviceServices.communicator(..., groups=)`` (the
+       world split into groups, every rank passing the same list; the communicator of this rank's
+       group, numbered within it)
 =====  ===========================================================================================
 """
 
@@ -125,7 +128,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 9)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 10)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -150,6 +153,7 @@ API_HISTORY: dict[tuple[int, int], str] = {
     "KernelProvider.moe_kernels -> MoEKernels (ExpertWeights), route_experts, ReferenceMoE; "
     "SmallOps.gelu_tanh_and_mul, rms_norm_heads",
     (1, 9): "structured output: SmallOps.apply_token_bitmask",
+    (1, 10): "TP x PP: DeviceServices.communicator(groups=), the world split into groups",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

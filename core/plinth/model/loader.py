@@ -149,15 +149,15 @@ def load_model(
         config = gguf_config(gguf)
         weights = gguf_weights(gguf, config, kernels.quant_formats)
     shape = config
-    if kernels.tp is not None:  # this rank's slice: its heads, intermediate and vocabulary rows
-        from plinth.parallel.sharding import shard_weights
-
-        shape = kernels.tp.plan.local_config(config)
-        weights = shard_weights(weights, kernels.tp.plan)
     if kernels.pp is not None:  # this stage's layers (and the embedding / head where it holds them)
         from plinth.parallel.pipeline import stage_weights
 
         weights = stage_weights(weights, kernels.pp, config)
+    if kernels.tp is not None:  # this rank's slice of them: its heads, intermediate and vocabulary rows
+        from plinth.parallel.sharding import shard_weights
+
+        shape = kernels.tp.plan.local_config(config)
+        weights = shard_weights(weights, kernels.tp.plan)
     model = model_class(config.architecture)(shape, kernels, dtype, block_size, kv_cache_dtype)
     model.load_weights(weights)
     logger.info("loaded %s (%s) in %.1fs", source.name, config.architecture, time.perf_counter() - start)

@@ -72,19 +72,38 @@ class TorchDistributedCommunicator(Communicator):
 
     :param group: the process group (None: the default group).
     :param rank: this process's rank in it; ``world_size`` its size.
+    :param members: the group's ranks in the world, in group-rank order (None: the whole world, where
+        the two numberings agree). ``send``/``recv``/``broadcast`` take group ranks; torch wants world ranks.
     """
 
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+    def __init__(self, group: Any, rank: int, world_size: int, members: list[int] | None = None) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.members = members if members is not None else list(range(world_size))
 
     @classmethod
     def new_group(cls, world_size: int, rank: int, backend: str) -> TorchDistributedCommunicator:
         """A new group of ``backend`` over every rank of the (initialised) world."""
+        return cls.split([list(range(world_size))], rank, backend)
+
+    @classmethod
+    def split(cls, groups: list[list[int]], rank: int, backend: str) -> TorchDistributedCommunicator:
+        """The world split into ``groups`` (every rank passes the same list): a new group of ``backend``
+        for each, and this communicator over the one that holds world rank ``rank``.
+
+        torch makes every rank of the world create every group, in the same order, members or not.
+        """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: the core joins the world first")
-        return cls(dist.new_group(list(range(world_size)), backend=backend), rank, world_size)
+        mine: TorchDistributedCommunicator | None = None
+        for members in groups:
+            group = dist.new_group(list(members), backend=backend)
+            if rank in members:
+                mine = cls(group, list(members).index(rank), len(members), list(members))
+        if mine is None:
+            raise ValueError(f"rank {rank} is in none of the groups {groups}")
+        return mine
 
     def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -108,7 +127,7 @@ class TorchDistributedCommunicator(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._run("broadcast", dist.broadcast, buf, src)
+        self._run("broadcast", dist.broadcast, buf, self.members[src])
         return tensor if buf is tensor else tensor.copy_(buf)
 
     def barrier(self) -> None:
@@ -117,12 +136,12 @@ class TorchDistributedCommunicator(Communicator):
     def send(self, tensor: torch.Tensor, dst: int) -> PendingSend:
         buf = tensor.contiguous()
         try:
-            work = dist.isend(buf, dst, group=self.group)
+            work = dist.isend(buf, self.members[dst], group=self.group)
         except (RuntimeError, ValueError) as e:
             raise CollectiveError(f"send on rank {self.rank} of {self.world_size} failed: {e}") from e
         return _Pending(work, buf, self.rank)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._run("recv", dist.recv, buf, src)
+        self._run("recv", dist.recv, buf, self.members[src])
         return tensor if buf is tensor else tensor.copy_(buf)

@@ -44,12 +44,19 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
 
 @dataclass(slots=True)
 class PipelineStage:
-    """One stage of the pipeline: its layers, its neighbours and the device group's collectives."""
+    """One stage of the pipeline: its layers, its neighbours and the device group's collectives.
+
+    ``comm`` is the pipeline group (ranked by stage: this rank and the ranks of the other stages with
+    the same ``tp_rank``). With tensor parallelism too, every rank of a stage runs the stage's layers
+    on its shard; only ``tp_rank`` 0's pipeline group reaches rank 0, so only it trades logits.
+    """
 
     stage: int
     num_stages: int
     layers: range
     comm: Communicator
+    #: this rank's place in its stage's tensor-parallel group (0 without tensor parallelism)
+    tp_rank: int = 0
 
     @property
     def first(self) -> bool:
@@ -58,6 +65,11 @@ class PipelineStage:
     @property
     def last(self) -> bool:
         return self.stage == self.num_stages - 1
+
+    @property
+    def trades_logits(self) -> bool:
+        """Whether this rank sends (last stage) or receives (rank 0) the logits of each micro-batch."""
+        return self.tp_rank == 0
 
     def owns(self, name: str, config: ModelConfig) -> bool:
         """Whether this stage loads the checkpoint tensor ``name``."""

@@ -991,7 +991,9 @@ class DeviceServices:
         """
         return self.device
 
-    def communicator(self, world_size: int, rank: int, backend: str | None) -> Communicator:
+    def communicator(
+        self, world_size: int, rank: int, backend: str | None, *, groups: list[list[int]] | None = None
+    ) -> Communicator:
         """The collectives of this rank's device group, once ``torch.distributed`` is initialised
         (the core does that, with a CPU group it keeps for its own control messages).
 
@@ -999,11 +1001,24 @@ class DeviceServices:
         name; None: the host collectives, :data:`plinth.platform.devices.HOST_COLLECTIVES`). The
         default makes a new ``torch.distributed`` group of that backend over every rank.
 
+        ``groups`` (tensor and pipeline parallelism together) splits the world of ``world_size``
+        ranks into groups, each a list of world ranks; every rank passes the same list, in the same
+        order (collective: a ``torch.distributed`` group is made by every rank of the world, member or
+        not). The result is the communicator of the group holding world rank ``rank``, numbered by
+        place in that list (its ``rank``/``world_size`` are the group's; ``send``/``recv``/``broadcast``
+        take group ranks). The core calls it twice, tensor-parallel groups first, then pipeline
+        groups. None: one group of every rank. The core passes ``groups`` only to an implementation
+        that takes it; one that does not (written for 1.7-1.9) is refused TP x PP with its name.
+
         .. versionadded:: 1.7
+        .. versionchanged:: 1.10
+            ``groups``
         """
         from plinth.parallel.comm import TorchDistributedCommunicator
 
-        return TorchDistributedCommunicator.new_group(world_size, rank, backend or HOST_COLLECTIVES)
+        if groups is None:
+            return TorchDistributedCommunicator.new_group(world_size, rank, backend or HOST_COLLECTIVES)
+        return TorchDistributedCommunicator.split(groups, rank, backend or HOST_COLLECTIVES)
 
     def begin_graph_capture(self) -> GraphCapture | None:
         """Start recording kernel calls into a :class:`StepGraph`; None (the default) where the

@@ -18,6 +18,7 @@ from plinth.config import EngineConfig
 from plinth.model.config import ModelConfig
 from plinth.model.context import ModelKernels
 from plinth.model.loader import ModelSource, load_config, load_model, resolve_model
+from plinth.parallel.layout import ParallelLayout
 from plinth.parallel.pipeline import PipelineError, PipelineStage, stage_layers
 from plinth.parallel.sharding import ShardingError, ShardPlan, TensorParallel
 from plinth.platform.backend import AttentionSpec, Backend, Capabilities, DeviceServices, torch_dtype
@@ -71,9 +72,58 @@ class ModelParts:
     stage: PipelineStage | None = None
 
 
+def _split(
+    config: EngineConfig,
+    services: DeviceServices,
+    caps: Capabilities,
+    backend_name: str,
+    model_config: ModelConfig,
+    rank: int,
+    world_size: int,
+) -> tuple[TensorParallel | None, PipelineStage | None]:
+    """Rank ``rank``'s tensor-parallel slice and pipeline stage (each None where that size is 1), with
+    the communicators they run on: one group of every rank when only one of the two splits, else
+    the world split into tensor-parallel groups (one per stage) and pipeline groups (one per
+    tensor-parallel rank; see :class:`~plinth.parallel.layout.ParallelLayout`).
+
+    :raises InvalidRequest: the model does not split so, or the backend cannot split the world.
+    """
+    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, rank)
+    if layout.world_size != world_size:
+        raise ValueError(
+            f"a world of {world_size} ranks for a {layout.pipeline_parallel_size} x "
+            f"{layout.tensor_parallel_size} layout"
+        )
+    device = services.device_for_rank(rank)
+    if device != services.device:
+        raise InvalidRequest(
+            f"backend {backend_name!r} maps rank {rank} to {device}: per-rank devices are not wired in yet"
+        )
+    tp_size, pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    try:
+        layers = stage_layers(model_config.num_layers, pp_size, layout.stage) if pp_size > 1 else None
+        plan = ShardPlan.for_config(model_config, layout.tp_rank, tp_size) if tp_size > 1 else None
+    except (ShardingError, PipelineError) as e:
+        raise InvalidRequest(str(e)) from None
+    if plan is None or layers is None:  # one split: its group is the whole world
+        comm = services.communicator(world_size, rank, caps.communicator)
+        tp_comm = pp_comm = comm
+    else:
+        if "groups" not in inspect.signature(services.communicator).parameters:
+            raise InvalidRequest(
+                f"backend {backend_name!r}: its DeviceServices.communicator takes no groups (plugin API "
+                "1.10), which tensor and pipeline parallelism together need; use one of them"
+            )
+        tp_comm = services.communicator(world_size, rank, caps.communicator, groups=layout.tp_groups())
+        pp_comm = services.communicator(world_size, rank, caps.communicator, groups=layout.pp_groups())
+    tp = TensorParallel(plan, tp_comm) if plan is not None else None
+    pp = PipelineStage(layout.stage, pp_size, layers, pp_comm, tp_rank=layout.tp_rank) if layers is not None else None
+    return tp, pp
+
+
 def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_size: int = 1) -> ModelParts:
     """Select the backend, resolve its kernels and load the model: all of it, or with
-    ``world_size > 1`` rank ``rank``'s tensor-parallel shard or pipeline stage (``torch.distributed``
+    ``world_size > 1`` rank ``rank``'s tensor-parallel shard of its pipeline stage (``torch.distributed``
     already joined).
 
     :raises InvalidRequest: a quantization the backend cannot run, or a model that does not split.
@@ -104,24 +154,7 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
     source = resolve_model(config.model)
     tp = pp = None
     if world_size > 1:
-        device = services.device_for_rank(rank)
-        if device != services.device:
-            raise InvalidRequest(
-                f"backend {backend.name!r} maps rank {rank} to {device}: per-rank devices are not wired in yet"
-            )
-        model_config = load_config(source)
-        try:
-            if config.pipeline_parallel_size > 1:
-                layers = stage_layers(model_config.num_layers, world_size, rank)
-            else:
-                plan = ShardPlan.for_config(model_config, rank, world_size)
-        except (ShardingError, PipelineError) as e:
-            raise InvalidRequest(str(e)) from None
-        comm = services.communicator(world_size, rank, caps.communicator)
-        if config.pipeline_parallel_size > 1:
-            pp = PipelineStage(rank, world_size, layers, comm)
-        else:
-            tp = TensorParallel(plan, comm)
+        tp, pp = _split(config, services, caps, backend.name, load_config(source), rank, world_size)
     # experts stay in their blocks where the fused-MoE op takes the format (and quantization allows)
     moe_formats: frozenset[str] = frozenset()
     if caps.fused_moe is not None and config.quantization != "none":

@@ -95,12 +95,15 @@ class PipelineRunner(ModelRunner):
                 pending.append(comm.send(hidden, stage.stage + 1))
                 continue
             rows = [i for i, s in enumerate(group) if s.num_samples > 0]
-            if rows:
+            if rows:  # every tensor-parallel rank computes them (the vocab-parallel head gathers)
                 idx = batch.last_token_index.index_select(0, torch.tensor(rows, device=self.device))
-                pending.append(comm.send(model.compute_logits(hidden.index_select(0, idx)).float(), 0))
+                logits_rows = model.compute_logits(hidden.index_select(0, idx)).float()
+                if stage.trades_logits:
+                    pending.append(comm.send(logits_rows, 0))
         logits: list[torch.Tensor] = []
-        if stage.first:  # rank 0: each micro-batch's logits from the last stage, in order
-            vocab = model.config.vocab_size
+        if stage.first and stage.trades_logits:  # rank 0: each micro-batch's logits from the last stage, in order
+            tp = model.kernels.tp  # the gathered logits are the whole vocabulary, not this rank's slice
+            vocab = tp.plan.vocab_size if tp is not None else model.config.vocab_size
             for group in groups:
                 n = sum(1 for s in group if s.num_samples > 0)
                 if n:

@@ -160,13 +160,15 @@ class GaudiServices(DeviceServices):
     def default_dtype(self) -> str:
         return "float32" if self.emulate else "bfloat16"
 
-    def communicator(self, world_size: int, rank: int, backend: str | None) -> Communicator:
+    def communicator(
+        self, world_size: int, rank: int, backend: str | None, *, groups: list[list[int]] | None = None
+    ) -> Communicator:
         """HCCL on HPUs (habana's module registers it with torch.distributed when imported); gloo in
         emulation, where the ranks are CPU processes."""
         if self.emulate:
-            return super().communicator(world_size, rank, "gloo")
+            return super().communicator(world_size, rank, "gloo", groups=groups)
         importlib.import_module("habana_frameworks.torch.distributed.hccl")
-        return super().communicator(world_size, rank, backend or "hccl")
+        return super().communicator(world_size, rank, backend or "hccl", groups=groups)
 
     def compile_step(
         self, program: StepProgram, kv_caches: list[torch.Tensor], *, cache_dir: str | None = None
@@ -205,7 +207,7 @@ class GaudiBackend(Backend):
 
     name = "gaudi"
     version = __version__
-    api_version = (1, 7)
+    api_version = (1, 10)
     description = "Intel Gaudi (HPU): flat paged attention, bucketed prefill/decode HPU graphs, never mixed"
 
     def __init__(self) -> None:

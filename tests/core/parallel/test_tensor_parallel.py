@@ -15,6 +15,7 @@ import pytest
 
 from plinth import LLM, SamplingParams
 from plinth.parallel.executor import WorkerFailure
+from plinth.parallel.layout import ParallelLayout
 from plinth.parallel.pipeline import PipelineError, stage_layers
 from plinth.runtime.engine import InvalidRequest
 from plinth.runtime.pipeline import PipelineRunner, micro_batches
@@ -122,9 +123,35 @@ def test_a_model_that_does_not_split_is_refused_naming_the_field(
     assert time.monotonic() - t0 < 60
 
 
-def test_tensor_and_pipeline_parallel_together_are_refused_until_combined() -> None:
-    with pytest.raises(ValueError, match="not combined yet"):
-        LLM(model="unused", tensor_parallel_size=2, pipeline_parallel_size=2)
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_tensor_and_pipeline_parallel_together_give_the_single_process_tokens(model: str, tmp_path: Path) -> None:
+    """TP=2 x PP=2: four ranks, each stage's layer split over two; the logits come back from the last
+    stage's tensor-parallel rank 0 only."""
+    folder = save_tiny_model(model, tmp_path / model)
+    want = _workload(LLM(model=str(folder), **ENGINE))
+    llm = LLM(model=str(folder), tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
+    try:
+        runner = llm.engine.runner
+        assert llm.engine.executor is not None and len(llm.engine.executor.workers) == 3
+        assert isinstance(runner, PipelineRunner) and runner.stage.layers == range(0, 1)
+        assert runner.stage.comm.world_size == 2 and runner.stage.tp_rank == 0  # the pipeline group: ranks 0, 2
+        model_shard = llm.engine.model
+        assert model_shard.config.num_heads == 2 and len(model_shard.layers) == 1
+        assert model_shard.kernels.tp.comm.world_size == 2  # the tensor-parallel group: ranks 0, 1
+        _compare(_workload(llm), want, LOGPROB_TOL)
+    finally:
+        llm.engine.close()
+    assert all(p.poll() is not None for p in llm.engine.executor.workers)
+
+
+def test_the_grid_puts_a_stages_tensor_parallel_ranks_side_by_side() -> None:
+    grid = [ParallelLayout(2, 3, r) for r in range(6)]
+    assert [(g.stage, g.tp_rank) for g in grid] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert grid[3].tp_groups() == [[0, 1], [2, 3], [4, 5]]
+    assert grid[3].pp_groups() == [[0, 2, 4], [1, 3, 5]]
+    with pytest.raises(ValueError, match="rank 6 is outside a world of 6"):
+        ParallelLayout(2, 3, 6)
 
 
 def _started(folder: Path, **kwargs: Any) -> LLM:

@@ -1,4 +1,4 @@
-"""``plinth serve --tensor-parallel-size 2`` and ``--pipeline-parallel-size 2``: the single-process
+"""``plinth serve --tensor-parallel-size 2``, ``--pipeline-parallel-size 2`` and both: the single-process
 server's tokens over HTTP; a worker
 killed mid-stream ends every client's request visibly within a bounded time and the server exits
 non-zero, never hanging."""
@@ -34,9 +34,13 @@ def _completion(url: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"], ids=["tp2", "pp2"])
-def test_two_ranks_serve_the_single_process_tokens_and_a_dead_worker_stops_it_non_zero(
-    flag: str, tmp_path: Path
+@pytest.mark.parametrize(
+    "flags",
+    [("-tp", "2"), ("-pp", "2"), ("-tp", "2", "-pp", "2")],
+    ids=["tp2", "pp2", "tp2xpp2"],
+)
+def test_ranks_serve_the_single_process_tokens_and_a_dead_worker_stops_it_non_zero(
+    flags: tuple[str, ...], tmp_path: Path
 ) -> None:
     folder = save_tiny_model("llama", tmp_path / "tiny")
     prompt = list(range(5, 40))
@@ -45,11 +49,11 @@ def test_two_ranks_serve_the_single_process_tokens_and_a_dead_worker_stops_it_no
         want = _completion(one.url, prompt, 16)
     finally:
         one.stop()
-    two = start_server("--model", str(folder), "--served-model-name", "tiny", flag, "2", *ARGS)
+    two = start_server("--model", str(folder), "--served-model-name", "tiny", *flags, *ARGS)
     try:
         assert _completion(two.url, prompt, 16) == want
         workers = _children(two.proc.pid)
-        assert len(workers) == 1
+        assert len(workers) == 2 ** (len(flags) // 2) - 1  # rank 1 is workers[0]
         events: list[str] = []
         started = threading.Event()
 
