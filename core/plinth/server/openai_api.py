@@ -109,7 +109,7 @@ def _echoed(out: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
 def _vllm_prompt_logprobs(st: ServerState, out: RequestOutput, top_n: int | None) -> PromptLogprobs | None:
     """``prompt_logprobs`` as vLLM returns them: per prompt token ``{token id: {logprob, rank,
     decoded_token}}``, the prompt's own token first, then the top-n (one entry when it is among
-    them); None for the first token. None when ``top_n`` is (the field was not asked for)."""
+    them); None for the first token. None when ``top_n`` is None (the field was not asked for)."""
     if top_n is None or out.prompt_logprobs is None:
         return None
     tok = st.tokenizer
