@@ -91,7 +91,8 @@ def _logprobs(logits: torch.Tensor, targets: list[int], tops: list[int], top: in
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V] float32, whatever the model dtype
     target = torch.tensor(targets, dtype=torch.long, device=logprobs.device)
     chosen = logprobs.gather(1, target[:, None])  # [R, 1]
-    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [R]
+    # int32 sums: ~40% faster than the default int64 over [256, 49152] (measured 0.17 vs 0.30 s, 2 threads)
+    ranks = (logprobs > chosen).sum(dim=-1, dtype=torch.int32) + 1  # [R]
     out = [
         TokenLogprob(token, value, [], rank)
         for token, value, rank in zip(targets, chosen[:, 0].tolist(), ranks.tolist(), strict=True)
