@@ -1,6 +1,7 @@
 """Prompt logprobs: what they cost when asked for, and that requests without them pay nothing.
 
     python benchmarks/prompt_logprobs.py A_CHECKOUT B_CHECKOUT [ROUNDS]
+    python benchmarks/prompt_logprobs.py - B_CHECKOUT [ROUNDS]      (B's prompt-logprobs cost only)
 
 The default model (SmolLM2-135M-Instruct, its Q4_1 blocks multiplied natively) on the cpu backend,
 2 threads, prefix caching off (every run computes its whole prompt). Alternating processes (A B B A
@@ -32,8 +33,10 @@ def best(fn, reps=2):
     for _ in range(reps):
         t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
     return min(times)
-out = {"prefill_8x512_s": best(lambda: llm.generate(long, one)),
-       "decode_16x64_s": best(lambda: llm.generate(short, gen))}
+out = {}
+if AB:
+    out["prefill_8x512_s"] = best(lambda: llm.generate(long, one))
+    out["decode_16x64_s"] = best(lambda: llm.generate(short, gen))
 if SCORE:
     scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     plain, with_lp = [], []
@@ -51,12 +54,13 @@ def main() -> None:
     checkouts = {"A": sys.argv[1], "B": sys.argv[2]}
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     res: dict[str, dict[str, list[float]]] = {}
+    ab = checkouts["A"] != "-"
     for r in range(rounds):
-        for side in "AB" if r % 2 == 0 else "BA":
+        for side in ("AB" if r % 2 == 0 else "BA") if ab else "B":
             root = checkouts[side]
             paths = [os.path.join(root, d) for d in ("core", "plugins/cpu", "conformance")]
             p = subprocess.run(
-                [sys.executable, "-c", WORKER.replace("SCORE", str(side == "B"))],
+                [sys.executable, "-c", WORKER.replace("SCORE", str(side == "B")).replace("AB", str(ab))],
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
                 capture_output=True,
                 text=True,
