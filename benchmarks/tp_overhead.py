@@ -1,5 +1,6 @@
 """What tensor parallelism costs on one host: gloo's all-reduce per call, and a decode step at TP=1
-vs TP=2 side by side, on a random Llama of SmolLM2-135M's size (30 layers, hidden 512, 8 heads).
+vs TP=2 (the cpu backend's all-reduce on gloo, and through shared memory) side by side, on a random
+Llama of SmolLM2-135M's size (30 layers, hidden 512, 8 heads).
 
 A TP=2 decode step makes 2 all-reduces per layer (after o_proj and down_proj), one for the embedding
 and one all-gather of the logits: 62 collectives for 30 layers. Prints one markdown table.
@@ -58,8 +59,10 @@ def allreduce_ms(sizes: list[int], iters: int) -> dict[int, float]:
         return dict(out)
 
 
-def decode_ms(folder: Path, tp: int, batch: int, tokens: int) -> float:
-    """ms per decode step: (time for ``tokens`` new tokens - time for 1) / (tokens - 1)."""
+def decode_ms(folder: Path, tp: int, batch: int, tokens: int, shm: bool = True) -> float:
+    """ms per decode step: (time for ``tokens`` new tokens - time for 1) / (tokens - 1); ``shm=False``
+    keeps the cpu backend's all-reduce on gloo (``PLINTH_CPU_SHM_ALLREDUCE=0``, inherited by the workers)."""
+    os.environ["PLINTH_CPU_SHM_ALLREDUCE"] = "1" if shm else "0"
     llm = LLM(model=str(folder), backend="cpu", tensor_parallel_size=tp, max_model_len=512, num_kv_blocks=256)
     try:
         prompts = [list(range(3 + i, 35 + i)) for i in range(batch)]
@@ -87,15 +90,16 @@ def main() -> None:
         print(f"| {rows} rows | {ms:.3f} |")
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_tiny_model("llama", Path(tmp) / "m", vocab_size=8192, **SHAPE)
-        print("\n| decode step (ms), 30 layers | TP=1 | TP=2 | TP=2 / TP=1 |")
-        print("|---|---|---|---|")
+        print("\n| decode step (ms), 30 layers | TP=1 | TP=2, gloo | TP=2, shared memory | gloo / shm |")
+        print("|---|---|---|---|---|")
         for batch in (1, 8):
-            one, two = [], []
+            one, gloo, shm = [], [], []
             for _ in range(args.rounds):  # interleaved: the host's load drifts
                 one.append(decode_ms(folder, 1, batch, args.tokens))
-                two.append(decode_ms(folder, 2, batch, args.tokens))
-            a, b = statistics.median(one), statistics.median(two)
-            print(f"| batch {batch} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+                gloo.append(decode_ms(folder, 2, batch, args.tokens, shm=False))
+                shm.append(decode_ms(folder, 2, batch, args.tokens, shm=True))
+            a, b, c = statistics.median(one), statistics.median(gloo), statistics.median(shm)
+            print(f"| batch {batch} | {a:.1f} | {b:.1f} | {c:.1f} | {b / c:.2f} |")
 
 
 if __name__ == "__main__":

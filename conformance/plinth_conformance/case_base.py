@@ -12,7 +12,7 @@ import hashlib
 from typing import Any
 
 from plinth.platform.backend import Capabilities
-from plinth_conformance import SUITE_VERSION
+from plinth_conformance import SEED_VERSION
 
 #: What every backend must declare and pass (the core tier).
 MANDATORY_DTYPE = "float32"
@@ -36,8 +36,8 @@ _SHORT = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f1
 
 
 def case_seed(case_id: str) -> int:
-    """The seed of a case: a hash of the suite version and the case id (stable across runs/hosts)."""
-    digest = hashlib.sha256(f"plinth-conformance {SUITE_VERSION} {case_id}".encode()).digest()
+    """The seed of a case: a hash of :data:`SEED_VERSION` and the case id (stable across runs/hosts)."""
+    digest = hashlib.sha256(f"plinth-conformance {SEED_VERSION} {case_id}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
 

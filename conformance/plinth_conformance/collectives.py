@@ -9,11 +9,18 @@ each rank computes every rank's inputs and the expected result itself: sums in f
 once to the dtype (2 ranks: one rounding, so the check is to the dtype's unit roundoff), gathers
 and broadcasts bit for bit, and the input of an in-place collective must come back in the same
 tensor, its other elements (outside a strided view) untouched.
+
+The *grouped* cases (plugin API 1.10, tensor and pipeline parallelism together) ask the communicator
+again with the world split as ``groups=[[1, 0]]``: one group listing the ranks in reverse, so world
+rank 1 must be the group's rank 0. Every op then runs by group rank (a gather in group order, a
+broadcast from group rank 1, a send to group rank 0): a communicator that numbers a group's ranks by
+world rank fails them. A backend whose communicator takes no ``groups`` skips them, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -37,27 +44,51 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True, slots=True)
 class CollectiveCase:
-    """One collective in one dtype and input layout, on 2 ranks."""
+    """One collective in one dtype and input layout, on 2 ranks (``grouped``: over the reversed group)."""
 
     op: str
     dtype: str
     layout: str
     tier: str = "collectives"
+    grouped: bool = False
 
     @property
     def id(self) -> str:
-        """The pytest id, e.g. ``coll-all_reduce-f32-strided``."""
-        return f"coll-{self.op}-{_SHORT[self.dtype]}-{self.layout}"
+        """The pytest id, e.g. ``coll-all_reduce-f32-strided``, ``coll-grouped-send_recv-f32-contiguous``."""
+        kind = "coll-grouped" if self.grouped else "coll"
+        return f"{kind}-{self.op}-{_SHORT[self.dtype]}-{self.layout}"
+
+
+#: A skipped case's result starts with this (the rest says why).
+SKIPPED = "skipped: "
+
+#: The grouped cases' split of the world: one group, its ranks listed in reverse.
+REVERSED_GROUPS = [[1, 0]]
 
 
 def collective_cases(dtypes: frozenset[str]) -> list[CollectiveCase]:
-    """Every op in every declared dtype and layout (a barrier takes no tensor: one case)."""
+    """Every op in every declared dtype and layout (a barrier takes no tensor: one case), then each
+    op once more over the reversed group (float32, contiguous: the numbering is what they check)."""
     out = [CollectiveCase("barrier", "float32", "contiguous")]
     for dtype in sorted(d for d in dtypes if d in _DTYPES):
         for op in OPS:
             if op != "barrier":
                 out += [CollectiveCase(op, dtype, layout) for layout in LAYOUTS]
-    return out
+    return out + [CollectiveCase(op, "float32", "contiguous", grouped=True) for op in OPS]
+
+
+def _grouped_communicator(services: Any, rank: int, backend: str | None) -> tuple[Any, str | None]:
+    """``(communicator over REVERSED_GROUPS, None)``, or ``(None, why not)``: skipped where the
+    backend's communicator takes no ``groups``, an error where it numbers the group wrongly."""
+    if "groups" not in inspect.signature(services.communicator).parameters:
+        return None, SKIPPED + "the backend's DeviceServices.communicator takes no groups (plugin API 1.10)"
+    comm = services.communicator(WORLD, rank, backend, groups=REVERSED_GROUPS)
+    if (comm.rank, comm.world_size) != (REVERSED_GROUPS[0].index(rank), WORLD):
+        return None, (
+            f"groups={REVERSED_GROUPS}: world rank {rank} got group rank {comm.rank} of {comm.world_size}, "
+            f"not {REVERSED_GROUPS[0].index(rank)} of {WORLD} (a group's ranks are numbered by place in its list)"
+        )
+    return comm, None
 
 
 def _input(case: CollectiveCase, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +162,20 @@ def run_rank(backend: str, rank: int, init_method: str, out: Path, timeout_s: fl
         status = default_host().select(backend)
         caps = status.backend.capabilities()
         init_world(init_method, WORLD, rank, timeout_s)
-        comm = status.backend.device_services().communicator(WORLD, rank, caps.communicator)
-        for case in collective_cases(caps.dtypes):
+        services = status.backend.device_services()
+        comm = services.communicator(WORLD, rank, caps.communicator)
+        cases = collective_cases(caps.dtypes)
+        for case in cases:
+            if case.grouped:
+                break
             try:
                 results[case.id] = _check(case, comm, rank)
+            except Exception as e:  # noqa: BLE001 - a case's failure is its result
+                results[case.id] = f"{type(e).__name__}: {e}"
+        grouped, why = _grouped_communicator(services, rank, caps.communicator)
+        for case in (c for c in cases if c.grouped):
+            try:
+                results[case.id] = why if grouped is None else _check(case, grouped, grouped.rank)
             except Exception as e:  # noqa: BLE001 - a case's failure is its result
                 results[case.id] = f"{type(e).__name__}: {e}"
     except Exception as e:  # noqa: BLE001 - the whole rank failed: say so for every case
@@ -184,7 +225,9 @@ def run_collectives(backend: str, timeout_s: float = 120.0) -> dict[str, str | N
             if not outs[r].exists():
                 return {"*": f"rank {r} exited with {proc.returncode} without results"}
             for case_id, error in json.loads(outs[r].read_text()).items():
-                if error is not None:
+                if error is not None and error.startswith(SKIPPED):
+                    merged.setdefault(case_id, error)  # a failure on another rank wins over a skip
+                elif error is not None:
                     merged[case_id] = f"rank {r}: {error}"
                 else:
                     merged.setdefault(case_id, None)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from plinth_conformance import SUITE_VERSION, TIERS
+from plinth_conformance import SEED_VERSION, SUITE_VERSION, TIERS
 from plinth_conformance.collectives import collective_cases
 
 #: ``--plinth-tier`` choices and the tiers each runs.
@@ -212,7 +212,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         case_id = getattr(case, "id", None)
         lines = [f"case: {case_id or item.name}"]
         if case is not None:
-            lines.append(f"seed: {case.seed} (sha256 of suite {SUITE_VERSION} and the case id)")
+            lines.append(f"seed: {case.seed} (sha256 of seed version {SEED_VERSION} and the case id)")
         lines += ["re-run alone:"] + [f"  {c}" for c in rerun_commands(state, item, case_id)]
         report.sections.append(("plinth conformance case", "\n".join(lines)))
         state.failures.append(

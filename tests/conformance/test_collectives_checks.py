@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from plinth.platform.backend import Communicator
-from plinth_conformance.collectives import WORLD, CollectiveCase, _check, _input, collective_cases
+from plinth_conformance.collectives import (
+    SKIPPED,
+    WORLD,
+    CollectiveCase,
+    _check,
+    _grouped_communicator,
+    _input,
+    collective_cases,
+)
 
 
 class _Sent:
@@ -88,21 +96,51 @@ DTYPES = frozenset({"float32", "bfloat16", "float16"})
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_correct_communicator_passes_every_case(rank: int) -> None:
     results = _run(FakeComm(rank), DTYPES)
-    assert len(results) == 1 + 3 * 4 * 3
+    assert len(results) == 1 + 3 * 4 * 3 + 5  # barrier, 4 ops x 3 dtypes x 3 layouts, 5 grouped
     assert all(v is None for v in results.values()), {k: v for k, v in results.items() if v}
 
 
 @pytest.mark.parametrize(
     "broken,failing,message",
     [
-        (NotInPlace, "coll-all_reduce-", "did not return its input tensor"),
-        (GatherReversed, "coll-all_gather-", "not equal to the ranks' inputs concatenated"),
-        (ReducesTheWholeBase, "coll-all_reduce-", "outside the strided view"),
-        (SumInLowPrecisionTwice, "coll-all_reduce-", "max error"),
+        (NotInPlace, "-all_reduce-", "did not return its input tensor"),
+        (GatherReversed, "-all_gather-", "not equal to the ranks' inputs concatenated"),
+        (ReducesTheWholeBase, "-all_reduce-", "outside the strided view"),
+        (SumInLowPrecisionTwice, "-all_reduce-", "max error"),
     ],
 )
 def test_each_broken_communicator_fails_only_its_collective(broken: type[FakeComm], failing: str, message: str) -> None:
     results = _run(broken(0), DTYPES)
     bad = {k: v for k, v in results.items() if v is not None}
-    assert bad and all(k.startswith(failing) for k in bad), bad
+    assert bad and all(failing in k for k in bad), bad
     assert any(message in v for v in bad.values()), bad
+
+
+class _Services:
+    """Device services whose communicator numbers a group's ranks by place (right) or by world rank."""
+
+    def __init__(self, by_place: bool) -> None:
+        self.by_place = by_place
+
+    def communicator(
+        self, world_size: int, rank: int, backend: str | None, *, groups: list[list[int]] | None = None
+    ) -> FakeComm:
+        assert groups is not None
+        return FakeComm(groups[0].index(rank) if self.by_place else rank)
+
+
+class _OldServices:
+    """A communicator written for API 1.7-1.9: no groups."""
+
+    def communicator(self, world_size: int, rank: int, backend: str | None) -> FakeComm:
+        return FakeComm(rank)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_grouped_cases_need_ranks_numbered_by_place_in_the_group(rank: int) -> None:
+    comm, why = _grouped_communicator(_Services(by_place=True), rank, None)
+    assert why is None and comm is not None and comm.rank == 1 - rank  # world rank 1 is group rank 0
+    comm, why = _grouped_communicator(_Services(by_place=False), rank, None)
+    assert comm is None and why is not None and "numbered by place in its list" in why
+    comm, why = _grouped_communicator(_OldServices(), rank, None)
+    assert comm is None and why is not None and why.startswith(SKIPPED) and "plugin API 1.10" in why

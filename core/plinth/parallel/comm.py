@@ -18,6 +18,11 @@ import torch.distributed as dist
 from plinth.platform.backend import Communicator, PendingSend
 from plinth.platform.devices import HOST_COLLECTIVES
 
+#: The world's collective timeout, kept for the groups made later: torch gives a new group its own
+#: default (30 minutes for gloo), not the world's, so a rank hung inside a forward's all-reduce would
+#: hold rank 0 that long instead of ``--distributed-timeout``.
+_timeout: datetime.timedelta | None = None
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: a rank died or hangs. The message names the operation."""
@@ -25,7 +30,9 @@ class CollectiveError(RuntimeError):
 
 def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -> None:
     """Join the ``torch.distributed`` world (gloo, CPU); every collective after this times out after
-    ``timeout_s`` seconds instead of waiting for a dead rank forever."""
+    ``timeout_s`` seconds instead of waiting for a dead rank forever (the groups made after it too)."""
+    global _timeout
+    _timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         HOST_COLLECTIVES,
         init_method=init_method,
@@ -33,6 +40,12 @@ def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -
         rank=rank,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def world_timeout_s() -> float | None:
+    """The world's collective timeout in seconds (None before :func:`init_world`), for a communicator
+    of the backend's own that waits outside torch (a shared-memory all-reduce)."""
+    return None if _timeout is None else _timeout.total_seconds()
 
 
 def close_world() -> None:
@@ -81,6 +94,11 @@ class TorchDistributedCommunicator(Communicator):
         self.rank = rank
         self.world_size = world_size
         self.members = members if members is not None else list(range(world_size))
+        # torch numbers a group's ranks in sorted order whatever order they were listed in: our rank
+        # i's part of a torch all_gather is at torch rank _torch_rank[i] (the conformance suite's
+        # grouped cases list a group in reverse and caught gathers in torch's order)
+        ordered = sorted(self.members)
+        self._torch_rank = [ordered.index(m) for m in self.members]
 
     @classmethod
     def new_group(cls, world_size: int, rank: int, backend: str) -> TorchDistributedCommunicator:
@@ -98,7 +116,7 @@ class TorchDistributedCommunicator(Communicator):
             raise RuntimeError("torch.distributed is not initialised: the core joins the world first")
         mine: TorchDistributedCommunicator | None = None
         for members in groups:
-            group = dist.new_group(list(members), backend=backend)
+            group = dist.new_group(list(members), backend=backend, timeout=_timeout)
             if rank in members:
                 mine = cls(group, list(members).index(rank), len(members), list(members))
         if mine is None:
@@ -123,7 +141,7 @@ class TorchDistributedCommunicator(Communicator):
         src = tensor.contiguous()
         parts = [torch.empty_like(src) for _ in range(self.world_size)]
         self._run("all_gather", dist.all_gather, parts, src)
-        return torch.cat(parts, dim=dim)
+        return torch.cat([parts[r] for r in self._torch_rank], dim=dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()

@@ -13,7 +13,11 @@ An exception inside ``engine.step`` fails the requests of that step with :class:
 with its traceback), the engine is cleaned, and the thread keeps serving new requests, unless the
 engine says it cannot step again (``engine.fatal``: a tensor-parallel rank died or hung): then
 every request in flight and queued fails with that error, the thread ends and ``on_fatal`` is called
-(``plinth serve`` exits non-zero).
+(``plinth serve`` exits non-zero). Unless a restart was asked for (``plinth serve --restart-workers N``):
+then, the requests failed the same way, the engine thread closes the broken engine (stopping its
+workers), builds a new one (new workers, weights loaded again) and serves on with it; new requests
+meanwhile get :class:`EngineRestarting` (HTTP 503 with Retry-After). A restart that fails, or a failure
+after the last allowed restart, ends as above.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ class EngineStopped(EngineError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
 
 
+class EngineRestarting(EngineOverloaded):
+    """A worker failed and the engine is being rebuilt: the request was refused, retry (HTTP 503)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of the scheduler, taken by the engine thread after each iteration."""
@@ -67,6 +75,7 @@ class EngineStats:
     spec_num_drafts_total: int = 0  # speculative decoding: sequence-steps that carried drafts
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
+    num_restarts_total: int = 0  # engines rebuilt after a worker failed (--restart-workers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +112,28 @@ class AsyncEngine:
     :param engine: the engine to drive; after :meth:`start` only the engine thread may touch it.
     :param max_waiting: refuse a new request (:class:`EngineOverloaded`) while this many requests
         are queued but not yet running; None: unbounded.
+    :param rebuild: builds a fresh engine (same config) after a fatal worker failure; None: never.
+    :param max_restarts: how many times ``rebuild`` may be used before a failure is fatal.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting: int | None = None,
+        *,
+        rebuild: Callable[[], LLMEngine] | None = None,
+        max_restarts: int = 0,
+    ) -> None:
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
+        if max_restarts < 0 or (max_restarts and rebuild is None):
+            raise ValueError(f"max_restarts must be >= 0 and needs rebuild, got {max_restarts}")
         self.engine = engine
+        self.rebuild = rebuild
+        self.max_restarts = max_restarts
+        #: engines rebuilt so far; True while one is being built (new requests get EngineRestarting)
+        self.num_restarts = 0
+        self.restarting = False
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # touched on the loop thread only
@@ -162,8 +187,8 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the engine thread is alive (the /health answer)."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        """True while the engine thread is alive and serving (the /health answer: not while restarting)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping and not self.restarting
 
     @property
     def stats(self) -> EngineStats:
@@ -190,6 +215,8 @@ class AsyncEngine:
             raise EngineStopped("the server is shutting down" if self._stopping else "the engine is not started")
         if self.fatal is not None:
             raise EngineError(f"the engine stopped: {self.fatal}")
+        if self.restarting:
+            raise EngineRestarting("a worker failed and the engine is restarting; retry shortly")
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[_Item] = asyncio.Queue()
@@ -235,18 +262,47 @@ class AsyncEngine:
                     aborted = engine.abort_all()
                     logger.exception("engine step failed; aborted %d request(s): %s", len(aborted), aborted)
                     error = EngineError(f"the engine failed while running this request ({type(exc).__name__})")
-                    if getattr(engine, "fatal", None) is not None:  # it cannot step again: end, loudly
+                    if getattr(engine, "fatal", None) is not None:  # it cannot step again
                         error = EngineError(f"the engine stopped: {exc}")
                         items.extend((rid, error) for rid in aborted)
                         self._deliver(items)
                         self._fail_commands(error)
-                        self.fatal = exc
+                        if self._restart(exc):
+                            engine = self.engine
+                            continue
+                        self.fatal = exc  # end, loudly
                         if self.on_fatal is not None:
                             self.on_fatal(exc)
                         return
                     items.extend((rid, error) for rid in aborted)
             self._deliver(items)
             self._snapshot()
+
+    def _restart(self, cause: BaseException) -> bool:
+        """Replace the broken engine with a fresh one, if a restart is left; True when serving again.
+
+        Runs on the engine thread, which is the only one touching the engine; requests arriving
+        meanwhile are refused (:class:`EngineRestarting`), so none waits on a rebuild that may fail.
+        """
+        if self.rebuild is None or self.num_restarts >= self.max_restarts or self._stopping:
+            return False
+        self.restarting = True
+        self.num_restarts += 1
+        logger.error("restarting the engine (%d of %d) after: %s", self.num_restarts, self.max_restarts, cause)
+        try:
+            try:
+                self.engine.close()  # its workers: the dead one reaped, the others stopped
+            except Exception:  # noqa: BLE001 - a broken engine may fail to close; the rebuild decides
+                logger.exception("closing the failed engine raised")
+            self.engine = self.rebuild()
+        except Exception:  # noqa: BLE001 - the restart failed: the original failure stays the cause
+            logger.exception("the engine restart failed")
+            return False
+        finally:
+            self.restarting = False
+        logger.error("the engine restarted (%d of %d)", self.num_restarts, self.max_restarts)
+        self._snapshot()
+        return True
 
     def _apply_commands(self, block: bool, items: list[tuple[str, _Item]]) -> bool:
         """Apply every queued command (waiting for one when ``block``); True when asked to stop."""
@@ -340,4 +396,5 @@ class AsyncEngine:
             spec_num_drafts_total=s.spec_stats.num_drafts,
             spec_num_draft_tokens_total=s.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens_total=s.spec_stats.num_accepted_tokens,
+            num_restarts_total=self.num_restarts,
         )

@@ -37,6 +37,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $PLINTH_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use (first is main)")
     p.add_argument("--max-waiting", type=int, default=None, help="reject (503) new requests beyond N queued ones")
+    p.add_argument(
+        "--restart-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after a tensor/pipeline-parallel worker dies or hangs, fail the requests it held, start the workers "
+        "again and keep serving, up to N times (default 0: exit non-zero)",
+    )
     p.add_argument("--max-output-tokens", type=int, default=None, help="clamp every request's max_tokens to N")
     p.add_argument(
         "--drain-timeout",
@@ -95,7 +103,14 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_docs=args.enable_docs,
         vllm_metric_names=not args.no_vllm_metric_names,
     )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=args.max_waiting)
+    if args.restart_workers < 0:
+        raise SystemExit(f"plinth serve: --restart-workers must be >= 0, got {args.restart_workers}")
+    engine = AsyncEngine(
+        LLMEngine(config),
+        max_waiting=args.max_waiting,
+        rebuild=lambda: LLMEngine(config),  # the same config: same backend, model, workers, KV cache
+        max_restarts=args.restart_workers,
+    )
     holder: dict[str, Any] = {}
     app = build_app(engine, settings, on_start=lambda loop: holder["drain"].bind(loop))
     start_up_done()  # `plinth serve` paused the cyclic GC for start-up (plinth.startup)
@@ -125,7 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     server.run()
-    e.close()
+    engine.engine.close()  # the engine serving last (a restart replaces it)
     if "fatal" in holder:
         print(f"plinth: the engine stopped: {holder['fatal']}", file=sys.stderr, flush=True)
         return 1

@@ -70,6 +70,8 @@ class _EngineCollector(Collector):
         yield counter("plinth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
         yield counter("plinth:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_total)
         yield counter("plinth:engine_step_failures", "Engine steps that raised.", s.num_failed_steps_total)
+        restarts_doc = "Engines rebuilt after a worker failed (--restart-workers)."
+        yield counter("plinth:engine_restarts", restarts_doc, s.num_restarts_total)
         # speculative decoding (vLLM's names); zeros while it is off
         drafts, proposed = s.spec_num_drafts_total, s.spec_num_draft_tokens_total
         accepted = s.spec_num_accepted_tokens_total

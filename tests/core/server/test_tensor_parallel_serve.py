@@ -6,6 +6,7 @@ non-zero, never hanging."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -21,9 +22,15 @@ ARGS = ("--backend", "cpu", "--max-model-len", "256", "--num-kv-blocks", "64", "
 
 
 def _children(pid: int) -> list[int]:
-    """The server's worker processes (its direct children)."""
-    with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
-        return [int(p) for p in f.read().split()]
+    """The server's worker processes (its direct children, whichever of its threads started them: a
+    restart starts them from the engine thread), in start order."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(p) for p in (task / "children").read_text(encoding="ascii").split()]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return sorted(found, key=lambda child: int(Path(f"/proc/{child}/stat").read_text().split()[21]))
 
 
 def _completion(url: str, prompt: list[int], max_tokens: int) -> list[int]:
@@ -85,3 +92,51 @@ def test_ranks_serve_the_single_process_tokens_and_a_dead_worker_stops_it_non_ze
     finally:
         if two.proc.poll() is None:
             two.proc.kill()
+
+
+def _until_healthy(url: str, timeout_s: float) -> float:
+    """Seconds until ``/health`` answers 200 (it answers 503 while the engine restarts)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not healthy again within {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_restart_workers_fails_the_requests_held_then_serves_again_until_the_restarts_run_out(
+    tmp_path: Path,
+) -> None:
+    """``--restart-workers 1``: a killed worker fails the request in flight, the workers start again
+    (new processes) and the next request gets the same tokens; a second failure ends the server non-zero."""
+    folder = save_tiny_model("llama", tmp_path / "tiny")
+    prompt = list(range(5, 40))
+    server = start_server(
+        "--model", str(folder), "--served-model-name", "tiny", "-tp", "2", "--restart-workers", "1", *ARGS
+    )
+    try:
+        want = _completion(server.url, prompt, 16)
+        first = _children(server.proc.pid)
+        os.kill(first[0], signal.SIGKILL)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        failed = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert failed.status_code in (500, 503), failed.text  # the step failed, or the restart was under way
+        assert _until_healthy(server.url, 60) < 60
+        assert server.proc.poll() is None
+        second = _children(server.proc.pid)
+        assert len(second) == 1 and second != first  # a new worker process
+        assert _completion(server.url, prompt, 16) == want
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert re.search(r"^plinth:engine_restarts_total\{[^}]*\} 1\.0$", metrics, re.M), metrics[-2000:]
+        os.kill(second[0], signal.SIGKILL)  # no restart left
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert server.proc.wait(30) != 0
+        assert "restarting the engine (1 of 1)" in server.log_text()
+        assert "the engine stopped" in server.log_text()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
