@@ -96,6 +96,10 @@ class SamplingParams:
     - ``repetition_penalty`` (0 < r <= 10), ``presence_penalty`` and ``frequency_penalty`` (-2 to 2).
     - ``stop``: stop strings (a string or a list; not included in the text), ``stop_token_ids``.
     - ``logprobs`` (0-:data:`MAX_LOGPROBS`): top-n logprobs per token.
+    - ``prompt_logprobs`` (0-:data:`MAX_LOGPROBS`): the logprob of every prompt token after the
+      first (given the tokens before it) and the top-n alternatives at its position, as vLLM's
+      ``prompt_logprobs``; ``RequestOutput.prompt_logprobs`` holds them, ``None`` first. Such a
+      request takes no prefix-cache hits (every prompt position is computed).
     - ``logit_bias``: token id -> a bias in [-100, 100] added to its logit before sampling (after
       the penalties; -100 in effect bans a token, +100 all but forces it), as OpenAI's
       ``logit_bias``. Logprobs stay those of the model's own distribution. Ids outside the
@@ -124,6 +128,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured: StructuredOutputs | None = None
     skip_special_tokens: bool = True
@@ -158,6 +163,9 @@ class SamplingParams:
             ),
             "ignore_eos": check_bool(owner, "ignore_eos", self.ignore_eos),
             "logprobs": check_int(owner, "logprobs", self.logprobs, optional=True, ge=0, le=MAX_LOGPROBS),
+            "prompt_logprobs": check_int(
+                owner, "prompt_logprobs", self.prompt_logprobs, optional=True, ge=0, le=MAX_LOGPROBS
+            ),
             "skip_special_tokens": check_bool(owner, "skip_special_tokens", self.skip_special_tokens),
             "logit_bias": _check_logit_bias(owner, self.logit_bias),
         }

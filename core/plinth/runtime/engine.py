@@ -33,6 +33,7 @@ from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, kv_blocks, load_parts, rank_memory
 from plinth.runtime.pipeline import PipelineRunner
+from plinth.runtime.prompt_logprobs import merge
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
 from plinth.runtime.speculative import may_speculate
@@ -71,6 +72,8 @@ class _Group:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: dict[int, _Sequence] = field(default_factory=dict)
+    #: with ``params.prompt_logprobs``: one entry per prompt token, filled chunk by chunk
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLMEngine:
@@ -334,13 +337,22 @@ class LLMEngine:
         )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequest(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        request = Request(request_id, prompt_ids, stop, params=params, seed=params.seed, n=params.n)
+        if params.prompt_logprobs is not None and (self.static is not None or isinstance(self.runner, PipelineRunner)):
+            # the static path returns one logits row per sequence; a pipeline's last stage sends only those
+            raise InvalidRequest(
+                "prompt_logprobs need an eager or step-graph runner: not with static-shape steps or "
+                "pipeline parallelism yet",
+                param="prompt_logprobs",
+            )
+        seed, top = params.seed, params.prompt_logprobs
+        request = Request(request_id, prompt_ids, stop, params=params, seed=seed, n=params.n, prompt_logprobs=top)
         group = _Group(
             request_id,
             text,
             prompt_ids,
             params,
             RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids)),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
         self._add_sequence(group, 0)
         if params.structured is not None:
@@ -413,6 +425,7 @@ class LLMEngine:
             self.abort_request(request_id)
         self.scheduler.abort_all()  # also forgets the step that never reached update()
         self.runner.pooler.take()  # and any vector that half-done step pooled
+        self.runner.prompt_scorer.take()  # and any prompt rows it scored
         return ids
 
     # -- the step loop -----------------------------------------------------------------------------
@@ -448,6 +461,10 @@ class LLMEngine:
         except WorkerFailure as e:
             self.fatal = e
             raise
+        for seq_id, rows in self.runner.prompt_scorer.take().items():
+            scored = self._groups.get(seq_id.request_id)
+            if scored is not None and scored.prompt_logprobs is not None:  # else aborted meanwhile
+                merge(scored.prompt_logprobs, rows)
         sampled = {seq_id: r.token_id for seq_id, r in results.items()}
         accepted = {seq_id: [a.token_id for a in r.accepted] for seq_id, r in results.items() if r.accepted}
         advanced = self.scheduler.update(sched_out, sampled, accepted)
@@ -558,6 +575,7 @@ class LLMEngine:
             outputs=completions,
             metrics=group.metrics,
             finished=finished,
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     def _release(self, group: _Group) -> None:

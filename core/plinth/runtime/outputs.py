@@ -41,11 +41,16 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """The logprob of a generated token and the top-n alternatives at its position."""
+    """The logprob of a token and the top-n alternatives at its position.
+
+    ``rank``: where the token stands in the model's distribution (1 = the most likely); set for
+    prompt logprobs (vLLM reports it there), None for generated tokens.
+    """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -81,6 +86,9 @@ class RequestOutput:
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
     embedding: list[float] | None = None  # an embedding request's vector (float32 values)
+    #: with ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first
+    #: (nothing predicts it); None when not asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.pooler import Pooler
+from plinth.runtime.prompt_logprobs import PromptScorer
 from plinth.runtime.sampler import Sampler, SampleResult
 from plinth.runtime.speculative import logit_rows, verify
 from plinth.runtime.static import StaticSteps, decode_first
@@ -79,6 +80,8 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         #: embedding requests' vectors, pooled from the hidden states; the engine takes them after the step
         self.pooler = Pooler()
+        #: prompt logprobs of the chunks that ask for them; the engine takes them after the step
+        self.prompt_scorer = PromptScorer()
 
     def prepare(self, scheduled: list[ScheduledChunk[SamplingParams]]) -> BatchInputs:
         """Build the step's tensors from the scheduler's value objects (in the order given)."""
@@ -124,7 +127,7 @@ class ModelRunner:
     @staticmethod
     def _graph_step(out: SchedulerOutput[SamplingParams], graphs: DecodeGraphs) -> bool:
         """Whether this step is a pure decode a step graph can run (counted as eager if not)."""
-        if not out.scheduled or any(len(s.token_ids) != 1 for s in out.scheduled):
+        if not out.scheduled or any(len(s.token_ids) != 1 or s.prompt_targets is not None for s in out.scheduled):
             return False
         if graphs.bucket(len(out.scheduled)) is None:
             graphs.stats.eager += 1
@@ -153,12 +156,16 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]
         # embedding requests' chunks (the engine refuses them on the static path); rank 0 pools
         pooling = [i for i, s in enumerate(scheduled) if s.pool is not None] if self.sample else []
+        # prompt-logprobs chunks (refused on the static path too); every rank runs their LM head
+        scoring = [i for i, s in enumerate(scheduled) if s.prompt_targets is not None]
         graphs = self.graphs
         if any(s.draft_token_ids for s in scheduled):  # step graphs and static shapes take 1-token decodes only
-            return self._execute_drafts(scheduled, sampling, masks)
+            return self._execute_drafts(scheduled, sampling, masks, scoring)
         if self.static is not None:
             if not scheduled:
                 return {}
+            if scoring:  # its steps return one logits row per sequence: no prompt rows to score
+                raise RuntimeError("a static-shape step cannot score a prompt (the engine refuses prompt_logprobs)")
             rows = self.static.run(scheduled)  # [B, vocab]
             if not sampling:
                 return {}
@@ -180,6 +187,8 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
             if pooling:
                 self.pooler.pool(hidden, scheduled, pooling)
+            if scoring:
+                self.prompt_scorer.score(self.model.compute_logits, hidden, scheduled, scoring, keep=self.sample)
             if not sampling:
                 return {}
             idx = batch.last_token_index.index_select(0, torch.tensor(sampling, device=self.device))
@@ -187,13 +196,20 @@ class ModelRunner:
         return self._sample(self.model.compute_logits(last), scheduled, sampling, masks)  # logits [S, V]
 
     def _execute_drafts(
-        self, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int], masks: StepMasks | None
+        self,
+        scheduled: list[ScheduledChunk[SamplingParams]],
+        sampling: list[int],
+        masks: StepMasks | None,
+        scoring: list[int],
     ) -> dict[SequenceId, SampleResult]:
-        """An eager step with draft tokens: logits at every position of each speculating chunk."""
+        """An eager step with draft tokens: logits at every position of each speculating chunk
+        (and at the prompt rows of the chunks ``scoring`` indexes, for their prompt logprobs)."""
         if self.static is not None:
             raise RuntimeError("a static-shape step cannot take draft tokens (the engine refuses speculation there)")
         batch = self.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+        if scoring:
+            self.prompt_scorer.score(self.model.compute_logits, hidden, scheduled, scoring, keep=self.sample)
         idx = torch.tensor(logit_rows(scheduled, sampling), device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))  # [R, V]
         return verify(self.sampler, logits, scheduled, sampling, masks) if self.sample else {}

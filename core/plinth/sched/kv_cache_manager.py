@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from plinth.sched.block_pool import BlockPool, KVBlock
 from plinth.sched.prefix_cache import HashPrefixCache, NoPrefixCache, PrefixCache
-from plinth.sched.request import Pooling, Request, SequenceId
+from plinth.sched.request import Request, SequenceId
 
 
 @dataclass(slots=True)
@@ -90,12 +90,12 @@ class KVCacheManager:
         """The request's leading full blocks found in the prefix cache (empty when caching is off).
 
         For a request that holds no blocks (new or preempted). At least its last token is always
-        left out, since the runner must compute it to get logits. A mean-pooled embedding request
-        gets none: the runner must see every prompt token's hidden state.
+        left out, since the runner must compute it to get logits. A request that must compute its
+        whole prompt (a mean-pooled embedding, prompt logprobs) gets none.
         """
         if request.seq_id in self._tables:
             raise ValueError(f"sequence {request.seq_id} already holds blocks")
-        if request.pooling is Pooling.MEAN:
+        if request.computes_whole_prompt:
             return ComputedBlocks([], self.block_size)
         return ComputedBlocks(self._prefix.lookup(request), self.block_size)
 

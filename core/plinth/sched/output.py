@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic
 
-from plinth.sched.request import P, Pool, Sample, SequenceId
+from plinth.sched.request import P, Pool, PromptTargets, Sample, SequenceId
 
 
 @dataclass(slots=True)
@@ -28,6 +28,9 @@ class ScheduledChunk(Generic[P]):
     ``draft_token_ids`` (speculative decoding; ``plinth.sched.draft``) are the last tokens of
     ``token_ids``, proposed rather than known: the sequence's own sample is then taken from the
     logits of every one of its last ``1 + len(draft_token_ids)`` tokens, to verify the drafts.
+
+    ``prompt_targets`` (prompt logprobs): the prompt tokens the chunk's first rows predict; the
+    runner scores those rows too (None for every other chunk: they cost nothing extra).
     """
 
     seq_id: SequenceId
@@ -37,6 +40,7 @@ class ScheduledChunk(Generic[P]):
     samples: tuple[Sample[P], ...]
     pool: Pool | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    prompt_targets: PromptTargets | None = None
 
     @property
     def num_samples(self) -> int:

@@ -70,6 +70,19 @@ class Pool:
     final: bool
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTargets:
+    """The prompt tokens a chunk's rows predict, for a request that asked for prompt logprobs.
+
+    Row ``i`` of the chunk (position ``start_position + i``) is scored against ``token_ids[i]``,
+    the prompt token after it; a chunk that reaches the prompt's last token has one target fewer
+    than rows (that row predicts the first output). ``top``: alternatives to report per position.
+    """
+
+    top: int
+    token_ids: list[int]
+
+
 @dataclass(slots=True)
 class StopCriteria:
     """The stop conditions the scheduler checks itself (stop strings need text: the engine's job)."""
@@ -110,6 +123,10 @@ class Request(Generic[P]):
     An *embedding request* (``pooling`` set) samples nothing: its chunks carry a :class:`Pool`
     instead of samples, it holds only its prompt's blocks, and it finishes (``FINISHED_STOPPED``)
     in the ``update`` after its last prompt token was computed.
+
+    ``prompt_logprobs`` (None: off) asks the runner to score every prompt token with ``top``
+    alternatives: until the request has sampled, its chunks carry :class:`PromptTargets` and it
+    takes no prefix-cache hits (a hit skips the positions to score).
     """
 
     request_id: str
@@ -127,6 +144,7 @@ class Request(Generic[P]):
     num_preemptions: int = 0
     forked: bool = False  # True once forked into n sequences (and for the forks): never fork again
     pooling: Pooling | None = field(default=None, kw_only=True)  # set: an embedding request
+    prompt_logprobs: int | None = field(default=None, kw_only=True)  # set: score the prompt (top-n)
     seq_id: SequenceId = field(init=False)
     samples: tuple[Sample[P]] = field(init=False)  # the one sample it takes each step, built once
 
@@ -154,6 +172,23 @@ class Request(Generic[P]):
     def all_token_ids(self) -> list[int]:
         """Prompt followed by output tokens (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """True when every prompt position must be computed, so no prefix-cache hit may skip one: a
+        mean-pooled embedding, or prompt logprobs not scored yet (they are, once it sampled)."""
+        if self.pooling is Pooling.MEAN:
+            return True
+        return self.prompt_logprobs is not None and not self.output_token_ids
+
+    def prompt_targets(self, start: int, end: int) -> PromptTargets | None:
+        """What a chunk over positions ``start .. end - 1`` scores: None when the request does not
+        ask for prompt logprobs, has sampled (they are done), or the chunk has no prompt token to
+        predict (it starts at the prompt's last token or after)."""
+        prompt = self.prompt_token_ids
+        if self.prompt_logprobs is None or self.output_token_ids or start + 1 >= len(prompt):
+            return None
+        return PromptTargets(self.prompt_logprobs, prompt[start + 1 : min(end + 1, len(prompt))])
 
     @property
     def is_finished(self) -> bool:

@@ -478,6 +478,7 @@ class Scheduler(Generic[P]):
             samples=self._samples(request, end),
             pool=None if request.pooling is None else Pool(request.pooling, end >= request.num_tokens),
             draft_token_ids=drafts or [],
+            prompt_targets=request.prompt_targets(start, end),
         )
 
     def update(

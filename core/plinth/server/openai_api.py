@@ -12,7 +12,7 @@ import codecs
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,6 +33,8 @@ from plinth.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     Usage,
 )
@@ -66,20 +68,65 @@ def _usage_from_counts(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(st: ServerState, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-    """Legacy logprobs; ``offset``: the character where the first token starts. A token that ends
-    inside a multi-byte character is shown as OpenAI does (``"\\xf0\\x9f"``); offsets count the
-    characters completed before each token."""
+def _completion_logprobs(
+    st: ServerState, lps: Iterable[tuple[int, TokenLogprob | None]], offset: int, top_n: int | None = None
+) -> CompletionLogprobs:
+    """Legacy logprobs of ``(token id, its logprob)`` pairs (None: an unscored token, the prompt's
+    first); ``offset``: the character where the first token starts; ``top_n``: alternatives shown
+    (None: all there are). A token that ends inside a multi-byte character is shown as OpenAI does
+    (``"\\xf0\\x9f"``); offsets count the characters completed before each token."""
     tok = st.tokenizer
     chars = codecs.getincrementaldecoder("utf-8")("replace")
     out = CompletionLogprobs()
-    for lp in lps:
-        out.tokens.append(tok.token_string(lp.token_id))
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({tok.token_string(t): v for t, v in lp.top})
+    for token_id, lp in lps:
+        out.tokens.append(tok.token_string(token_id))
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.top_logprobs.append(None if lp is None else {tok.token_string(t): v for t, v in lp.top[:top_n]})
         out.text_offset.append(offset)
-        offset += len(chars.decode(tok.token_bytes(lp.token_id)))
+        offset += len(chars.decode(tok.token_bytes(token_id)))
     return out
+
+
+def _dump(scored: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    """``prompt_logprobs`` as JSON values, for a streamed chunk."""
+    if scored is None:
+        return None
+    return [None if e is None else {k: v.model_dump() for k, v in e.items()} for e in scored]
+
+
+def _generated(lps: list[TokenLogprob]) -> list[tuple[int, TokenLogprob | None]]:
+    return [(lp.token_id, lp) for lp in lps]
+
+
+def _echoed(out: RequestOutput) -> list[tuple[int, TokenLogprob | None]]:
+    """The prompt's tokens with their logprobs (the first has none), for echo + logprobs."""
+    scored = out.prompt_logprobs
+    if scored is None:  # the engine scores every prompt that asks: a missing list is a bug, named
+        raise RuntimeError(f"request {out.request_id!r} asked for prompt logprobs and got none")
+    return list(zip(out.prompt_token_ids, scored, strict=True))
+
+
+def _vllm_prompt_logprobs(st: ServerState, out: RequestOutput, top_n: int | None) -> PromptLogprobs | None:
+    """``prompt_logprobs`` as vLLM returns them: per prompt token ``{token id: {logprob, rank,
+    decoded_token}}``, the prompt's own token first, then the top-n (one entry when it is among
+    them); None for the first token. None when ``top_n`` is None (the field was not asked for)."""
+    if top_n is None or out.prompt_logprobs is None:
+        return None
+    tok = st.tokenizer
+    result: PromptLogprobs = []
+    for lp in out.prompt_logprobs:
+        if lp is None:
+            result.append(None)
+            continue
+        entry = {
+            str(lp.token_id): PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=tok.token_string(lp.token_id)
+            )
+        }
+        for rank, (t, v) in enumerate(lp.top[:top_n], start=1):
+            entry.setdefault(str(t), PromptLogprob(logprob=v, rank=rank, decoded_token=tok.token_string(t)))
+        result.append(entry)
+    return result
 
 
 def _openai_call(call: ToolCall) -> ToolCallModel:
@@ -149,15 +196,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return Response(status_code=499)
     choices = []
     for i, out in sorted(finals.items()):
+        prompt_logprobs = _vllm_prompt_logprobs(st, out, body.prompt_logprobs)
         for c in out.outputs:
             prefix = echo.get(i, "")
+            logprobs = None
+            if c.logprobs is not None:
+                tokens = _generated(c.logprobs)
+                if body.echo_logprobs:
+                    tokens = _echoed(out) + tokens
+                logprobs = _completion_logprobs(st, tokens, 0 if body.echo_logprobs else len(prefix), body.logprobs)
             choices.append(
                 CompletionChoice(
                     index=i * params.n + c.index,
                     text=prefix + c.text,
-                    logprobs=_completion_logprobs(st, c.logprobs, len(prefix)) if c.logprobs is not None else None,
+                    logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
     return CompletionResponse(id=base, created=created, model=model, choices=choices, usage=_usage(finals))
@@ -181,18 +236,27 @@ async def _completion_stream(
             for c in out.outputs:
                 index = i * params.n + c.index
                 cursor = cursors.get(index)
-                prefix = ""
+                first = cursor is None
                 if cursor is None:
                     cursor = cursors[index] = ChoiceCursor(params.stop)
-                    prefix = echo.get(i, "")
+                prefix = echo.get(i, "") if first else ""
+                # a choice's first chunk carries the echoed prompt and its logprobs, even before any text
+                opening = first and (bool(prefix) or body.echo_logprobs or body.prompt_logprobs is not None)
                 delta = cursor.advance(c)
-                if delta is None and not prefix:
+                if delta is None and not opening:
                     continue
-                text = prefix + (delta.text if delta else "")
+                new_text = delta.text if delta else ""
+                text = prefix + new_text
                 logprobs = None
-                if body.logprobs is not None and delta is not None:
-                    offset = cursor.chars - len(delta.text)
-                    logprobs = _completion_logprobs(st, delta.logprobs, offset).model_dump()
+                if body.logprobs is not None:
+                    if first and body.echo_logprobs:
+                        tokens, offset = _echoed(out), 0
+                    else:  # offsets count from the start of the whole text (the echoed prompt's, if any)
+                        tokens, offset = [], len(echo.get(i, "")) + cursor.chars - len(new_text)
+                    if delta is not None:
+                        tokens += _generated(delta.logprobs)
+                    if tokens or delta is not None:
+                        logprobs = _completion_logprobs(st, tokens, offset, body.logprobs).model_dump()
                 choice = {
                     "index": index,
                     "text": text,
@@ -200,6 +264,8 @@ async def _completion_stream(
                     "finish_reason": delta.finish_reason if delta else None,
                     "stop_reason": c.stop_reason if c.finished else None,
                 }
+                if first and body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _dump(_vllm_prompt_logprobs(st, out, body.prompt_logprobs))
                 yield sse(
                     {"id": base, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
                 )
@@ -278,7 +344,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 stop_reason=c.stop_reason,
             )
         )
-    return ChatCompletionResponse(id=base, created=created, model=model, choices=choices, usage=_usage(finals))
+    return ChatCompletionResponse(
+        id=base,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=_usage(finals),
+        prompt_logprobs=_vllm_prompt_logprobs(st, out, body.prompt_logprobs),
+    )
 
 
 async def _chat_stream(
@@ -302,6 +375,11 @@ async def _chat_stream(
             for c in out.outputs:
                 cursor = cursors.get(c.index)
                 if cursor is None:  # a choice's first chunk carries the role
+                    extra = {}
+                    if (
+                        not cursors and body.prompt_logprobs is not None
+                    ):  # and the stream's first, the prompt's logprobs
+                        extra["prompt_logprobs"] = _dump(_vllm_prompt_logprobs(st, out, body.prompt_logprobs))
                     cursor = cursors[c.index] = ChoiceCursor(params.stop)
                     role = {
                         "index": c.index,
@@ -309,7 +387,7 @@ async def _chat_stream(
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    yield sse({**head, "choices": [role]})
+                    yield sse({**head, "choices": [role], **extra})
                 delta = cursor.advance(c)
                 if delta is None:
                     continue

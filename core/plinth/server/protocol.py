@@ -132,6 +132,9 @@ class SamplingFields(_Strict):
     structured_outputs: StructuredOutputsFields | None = Field(
         None, description="plinth's extra: one of json, json_object, regex, choice, grammar"
     )
+    prompt_logprobs: Int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM's extra: each prompt token's logprob, rank and top-n"
+    )
 
     @property
     def structured_param(self) -> str:
@@ -178,6 +181,7 @@ class SamplingFields(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "structured": (spec[0] if (spec := self.structured()) else None),
+            "prompt_logprobs": self.engine_prompt_logprobs,
         }
         optional = {
             "temperature": self.temperature,
@@ -211,6 +215,11 @@ class SamplingFields(_Strict):
     @property
     def _max_tokens_field(self) -> str:
         return "max_tokens"
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top-n the engine scores the prompt with (None: it does not score it)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -250,8 +259,17 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """True when the prompt's tokens and logprobs come before the completion's (echo + logprobs)."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or ``logprobs`` with ``echo``: the larger when both are given."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
 
 class CompletionLogprobs(BaseModel):
@@ -263,6 +281,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob`` of a prompt position's token (the prompt's own or one of the top-n)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's ``prompt_logprobs``: per prompt token, ``{token id: PromptLogprob}`` (None first)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     """One completion of one prompt."""
 
@@ -271,6 +301,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Usage(BaseModel):
@@ -524,6 +555,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # -- tokenizer and models -------------------------------------------------------------------------------
