@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from plinth.model.context import ForwardContext
-from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
+from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices, LoRABatch
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.pooler import Pooler
 from plinth.runtime.sampler import Sampler, SampleResult
@@ -23,6 +23,7 @@ from plinth.sched.output import ScheduledChunk, SchedulerOutput
 from plinth.sched.request import Sample, SequenceId
 
 if TYPE_CHECKING:
+    from plinth.runtime.lora import LoRAManager
     from plinth.structured.masks import StepMasks
 
 
@@ -79,6 +80,8 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         #: embedding requests' vectors, pooled from the hidden states; the engine takes them after the step
         self.pooler = Pooler()
+        #: the engine's LoRA adapters (None: LoRA off); a step with adapter tokens runs eagerly
+        self.lora: LoRAManager | None = None
 
     def prepare(self, scheduled: list[ScheduledChunk[SamplingParams]]) -> BatchInputs:
         """Build the step's tensors from the scheduler's value objects (in the order given)."""
@@ -154,8 +157,10 @@ class ModelRunner:
         # embedding requests' chunks (the engine refuses them on the static path); rank 0 pools
         pooling = [i for i, s in enumerate(scheduled) if s.pool is not None] if self.sample else []
         graphs = self.graphs
+        # each token's adapter slot; None (every step of an engine without LoRA): the layers skip LoRA
+        lora = self.lora.batch(scheduled) if self.lora is not None else None
         if any(s.draft_token_ids for s in scheduled):  # step graphs and static shapes take 1-token decodes only
-            return self._execute_drafts(scheduled, sampling, masks)
+            return self._execute_drafts(scheduled, sampling, masks, lora)
         if self.static is not None:
             if not scheduled:
                 return {}
@@ -164,7 +169,8 @@ class ModelRunner:
                 return {}
             logits = rows if len(sampling) == len(scheduled) else rows[torch.tensor(sampling)]
             return self._sample(logits, scheduled, sampling, masks)
-        if graphs is not None and self._graph_step(out, graphs):
+        # a step graph records the base model's calls only: steps with adapter tokens run eagerly
+        if graphs is not None and lora is None and self._graph_step(out, graphs):
             hidden = graphs.run(
                 [s.token_ids[0] for s in scheduled],
                 [s.start_position for s in scheduled],
@@ -177,7 +183,7 @@ class ModelRunner:
             last = hidden if len(sampling) == len(scheduled) else hidden[torch.tensor(sampling, device=self.device)]
         else:
             batch = self.prepare(scheduled)
-            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches, lora))
             if pooling:
                 self.pooler.pool(hidden, scheduled, pooling)
             if not sampling:
@@ -187,13 +193,17 @@ class ModelRunner:
         return self._sample(self.model.compute_logits(last), scheduled, sampling, masks)  # logits [S, V]
 
     def _execute_drafts(
-        self, scheduled: list[ScheduledChunk[SamplingParams]], sampling: list[int], masks: StepMasks | None
+        self,
+        scheduled: list[ScheduledChunk[SamplingParams]],
+        sampling: list[int],
+        masks: StepMasks | None,
+        lora: LoRABatch | None = None,
     ) -> dict[SequenceId, SampleResult]:
         """An eager step with draft tokens: logits at every position of each speculating chunk."""
         if self.static is not None:
             raise RuntimeError("a static-shape step cannot take draft tokens (the engine refuses speculation there)")
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches, lora))
         idx = torch.tensor(logit_rows(scheduled, sampling), device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))  # [R, V]
         return verify(self.sampler, logits, scheduled, sampling, masks) if self.sample else {}

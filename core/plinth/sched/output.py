@@ -28,6 +28,8 @@ class ScheduledChunk(Generic[P]):
     ``draft_token_ids`` (speculative decoding; ``plinth.sched.draft``) are the last tokens of
     ``token_ids``, proposed rather than known: the sequence's own sample is then taken from the
     logits of every one of its last ``1 + len(draft_token_ids)`` tokens, to verify the drafts.
+
+    ``lora_id``: the sequence's LoRA adapter (0: none; the runner maps it to an adapter slot).
     """
 
     seq_id: SequenceId
@@ -37,6 +39,7 @@ class ScheduledChunk(Generic[P]):
     samples: tuple[Sample[P], ...]
     pool: Pool | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0
 
     @property
     def num_samples(self) -> int:

@@ -110,6 +110,9 @@ class Request(Generic[P]):
     An *embedding request* (``pooling`` set) samples nothing: its chunks carry a :class:`Pool`
     instead of samples, it holds only its prompt's blocks, and it finishes (``FINISHED_STOPPED``)
     in the ``update`` after its last prompt token was computed.
+
+    ``lora_id`` names the LoRA adapter the request runs with (0: none): an opaque int the engine
+    mints per loaded adapter and never reuses, so the prefix cache keeps each adapter's blocks apart.
     """
 
     request_id: str
@@ -127,6 +130,7 @@ class Request(Generic[P]):
     num_preemptions: int = 0
     forked: bool = False  # True once forked into n sequences (and for the forks): never fork again
     pooling: Pooling | None = field(default=None, kw_only=True)  # set: an embedding request
+    lora_id: int = field(default=0, kw_only=True)  # the adapter (0: none); its blocks are its own
     seq_id: SequenceId = field(init=False)
     samples: tuple[Sample[P]] = field(init=False)  # the one sample it takes each step, built once
 
