@@ -64,6 +64,30 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--no-vllm-metric-names", action="store_true", help="export metrics only as plinth:*, not also as vllm:*"
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument(
+        "--lora",
+        type=lora_module,
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in folder PATH as model NAME (repeatable; turns on --enable-lora)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters (loaded with --lora or POST /v1/load_lora_adapter)",
+    )
+    p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest LoRA rank accepted (default 16)")
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """``--lora NAME=PATH`` -> ``(NAME, PATH)``."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter folder), got {value!r}")
+    return name, path
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -79,6 +103,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from plinth.startup import start_up_done
 
     cache = {"num_kv_blocks": args.num_kv_blocks, "kv_cache_memory_gb": args.kv_cache_memory_gb}
+    if args.lora:
+        args.enable_lora = True
     config = EngineConfig(
         **engine_options(args),
         enable_prefix_caching=not args.no_prefix_caching,
@@ -95,7 +121,12 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_docs=args.enable_docs,
         vllm_metric_names=not args.no_vllm_metric_names,
     )
-    engine = AsyncEngine(LLMEngine(config), max_waiting=args.max_waiting)
+    llm_engine = LLMEngine(config)
+    for name, path in args.lora or []:
+        if name in settings.served_model_names:
+            raise SystemExit(f"plinth serve: --lora {name}={path}: {name!r} is the base model's served name")
+        llm_engine.add_lora(name, path)  # a refused adapter stops the start-up, naming the field
+    engine = AsyncEngine(llm_engine, max_waiting=args.max_waiting)
     holder: dict[str, Any] = {}
     app = build_app(engine, settings, on_start=lambda loop: holder["drain"].bind(loop))
     start_up_done()  # `plinth serve` paused the cyclic GC for start-up (plinth.startup)
