@@ -1088,7 +1088,7 @@ class Backend(ABC):
         case it does not cover. The default supplies none: a LoRA-enabled engine then runs the
         reference op (:class:`plinth.platform.reference.ReferenceLoRA`) with a fallback warning.
 
-        .. versionadded:: 1.10
+        .. versionadded:: 1.11
         """
         raise NotSupported(self.name, "LoRA", "the backend supplies no batched LoRA op")
 
@@ -1166,6 +1166,6 @@ class KernelProvider(ABC):
     def lora_kernels(self, spec: LoRASpec) -> LoRAKernels | None:
         """A batched LoRA op for ``spec``, or None when this provider does not cover it.
 
-        .. versionadded:: 1.10
+        .. versionadded:: 1.11
         """
         return None

@@ -53,7 +53,7 @@ class KernelSet:
     attention: Callable[[AttentionSpec], AttentionKernels]
     #: Called once per MoE layer spec as the model loads its experts (API 1.8).
     moe: Callable[[MoESpec], MoEKernels] = _reference_moe
-    #: Called once when the engine enables LoRA (API 1.10).
+    #: Called once when the engine enables LoRA (API 1.11).
     lora: Callable[[LoRASpec], LoRAKernels] = _reference_lora
     #: One line per op that fell back to the reference kernel (each distinct case once; attention
     #: cases are added as the model's layers are built). Logged as a warning when taken, and shown

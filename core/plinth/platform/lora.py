@@ -1,4 +1,4 @@
-"""The batched LoRA op of the contract (plugin API 1.10): shrink and expand over a step's tokens.
+"""The batched LoRA op of the contract (plugin API 1.11): shrink and expand over a step's tokens.
 
 A LoRA-enabled engine keeps every adapter's low-rank matrices in pre-allocated stacks, one slot per
 resident adapter: ``A`` ``[max_loras, rank, in]`` and ``B`` ``[max_loras, out, rank]`` for each
@@ -33,7 +33,7 @@ class LoRABatch:
     ``slots`` the same values on the host. ``data`` holds what the op precomputed once for the step
     (token groups, index tensors), so that its per-projection calls do not recompute it.
 
-    .. versionadded:: 1.10
+    .. versionadded:: 1.11
     """
 
     token_slots: torch.Tensor
@@ -58,7 +58,7 @@ class LoRAKernels(ABC):
     each adapted module is a slice of the fused output): an implementation must honour their strides.
     No method may allocate per-step state the next step relies on, nor keep ``y``.
 
-    .. versionadded:: 1.10
+    .. versionadded:: 1.11
     """
 
     def __init__(self, spec: LoRASpec) -> None:

@@ -189,7 +189,7 @@ class ReferenceLoRA(LoRAKernels):
     """The batched-LoRA oracle: token by token, the token's own adapter's matrices, accumulated in
     fp32 (fp64 for fp64). Slow (a Python loop over the step's tokens), obviously correct.
 
-    .. versionadded:: 1.10
+    .. versionadded:: 1.11
     """
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -212,7 +212,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     version = "0.1.0"
-    api_version = (1, 10)
+    api_version = (1, 11)
     description = "plain-torch oracle: slow, obviously correct"
 
     def __init__(self) -> None:

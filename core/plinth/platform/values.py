@@ -245,7 +245,7 @@ class LoRASpec:
     stacked ``[max_loras, rank, in]`` and ``B`` ``[max_loras, out, rank]`` (the adapter's scale is
     folded into ``B`` at load time). Tokens with slot -1 are left as the base layer computed them.
 
-    .. versionadded:: 1.10
+    .. versionadded:: 1.11
     """
 
     #: Adapter slots (adapters resident at once).
