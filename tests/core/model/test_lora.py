@@ -156,3 +156,42 @@ def test_fused_slots_adapt_only_their_slice_and_clear_to_zero() -> None:
     y.zero_()
     layer.apply(y, x, batch)  # no adapter left: nothing added (and nothing computed)
     assert not y.any()
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_model_logits_with_an_adapter_equal_peft_merged(tmp_path: Path, kind: str) -> None:
+    """A tiny Llama loaded from its HF folder or from a GGUF (q/k rows permuted as llama.cpp does,
+    undone at load), one sequence through adapter slot 1, others through none: logits equal
+    transformers with the adapter merged, and without it."""
+    from model_helpers import allocate_caches, hf_logits, make_metadata, reference_kernels
+    from test_gguf_loader import _COMMON, write_gguf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from plinth.model.context import ForwardContext
+    from plinth.model.loader import load_model
+    from plinth.model.lora import attach_lora, write_adapter
+
+    config = LlamaConfig(**_COMMON, tie_word_embeddings=True, rope_theta=100000.0)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    merged = save_peft_adapter(hf, tmp_path / "adapter", r=4, alpha=8, magnitude=0.2)
+    if kind == "gguf":
+        write_gguf(tmp_path / "tiny.gguf", hf, "llama")
+    source = resolve_model(str(tmp_path / ("tiny.gguf" if kind == "gguf" else "hf")))
+    model, model_config = load_model(source, reference_kernels(), torch.float32, 4, "float32")
+    spec = LoRASpec(max_loras=2, max_rank=8)
+    op = ReferenceLoRA(spec)
+    attach_lora(model, op, spec)
+    write_adapter(model, 1, read_peft_adapter(tmp_path / "adapter", model_config, max_rank=8))
+    prompts = [[5, 17, 200, 3, 99, 42, 7], [8, 9, 10, 11]]
+    slots = [1] * len(prompts[0]) + [-1] * len(prompts[1])
+    meta = make_metadata([0, 0], [len(p) for p in prompts])
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    ctx = ForwardContext(meta, allocate_caches(model, 2), op.prepare_batch(slots, torch.device("cpu")))
+    logits = model.compute_logits(model(ids, positions, ctx))
+    n = len(prompts[0])
+    torch.testing.assert_close(logits[:n], hf_logits(merged, prompts[0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[n:], hf_logits(hf, prompts[1]), atol=1e-4, rtol=0)
+    assert (hf_logits(merged, prompts[0]) - hf_logits(hf, prompts[0])).abs().max() > 0.1  # it does adapt
