@@ -350,8 +350,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._groups or request_id in self._embeddings:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        if lora is not None and (self.lora is None or self.lora.get(lora) is None):
-            self._lora_manager().acquire(lora)  # raises, naming the adapters that are loaded
+        if lora is not None and self._lora_manager().get(lora) is None:  # refused before any work
+            self._lora_manager().acquire(lora)  # raises: the message names the adapters that are loaded
         if isinstance(prompt, str):
             text: str | None = prompt
             prompt_ids = self.tokenizer.encode(prompt)
