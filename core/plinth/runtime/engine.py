@@ -304,8 +304,6 @@ class LLMEngine:
             raise InvalidRequest(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
         return int(blocks)
 
-    # -- requests ----------------------------------------------------------------------------------
-
     # -- LoRA adapters -------------------------------------------------------------------------------
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
