@@ -153,7 +153,19 @@ def bench_decode(rounds: int, threads: int) -> dict[str, Any]:
             results[name].append(value)
             print(f"decode {name}: {value:.1f} tok/s", file=sys.stderr)
     medians = {k: statistics.median(v) for k, v in results.items()}
-    return {"runs": results, "median_tok_s": medians, "ratio": medians["adapter"] / medians["none"]}
+    from plinth.model.lora import lora_layers
+
+    slot_bytes = sum(
+        (h.a[0].numel() + sum(b[0].numel() for b in h.b)) * h.a.element_size()
+        for _, h in lora_layers(llm.engine.model)
+    )
+    print(f"one adapter slot (rank 16, every module, fp32): {slot_bytes / 2**20:.1f} MiB", file=sys.stderr)
+    return {
+        "runs": results,
+        "median_tok_s": medians,
+        "ratio": medians["adapter"] / medians["none"],
+        "slot_mib": slot_bytes / 2**20,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
