@@ -156,8 +156,7 @@ def bench_decode(rounds: int, threads: int) -> dict[str, Any]:
     from plinth.model.lora import lora_layers
 
     slot_bytes = sum(
-        (h.a[0].numel() + sum(b[0].numel() for b in h.b)) * h.a.element_size()
-        for _, h in lora_layers(llm.engine.model)
+        (h.a[0].numel() + sum(b[0].numel() for b in h.b)) * h.a.element_size() for _, h in lora_layers(llm.engine.model)
     )
     print(f"one adapter slot (rank 16, every module, fp32): {slot_bytes / 2**20:.1f} MiB", file=sys.stderr)
     return {
