@@ -196,3 +196,15 @@ def test_adapter_operations_refuse_with_clear_errors(tiny: dict[str, Any], tmp_p
         off.add_lora("a1", str(tiny["a1"]))
     with pytest.raises(TypeError, match="lora has 1 entries for 2 prompts"):
         llm.generate(["a", "b"], GREEDY, lora=["a1"])
+
+
+def test_config_refuses_lora_with_several_ranks_and_ranks_above_64() -> None:
+    from plinth.config import EngineConfig
+    from plinth.validation import InvalidParameter
+
+    with pytest.raises(ValueError, match="enable_lora with 2 ranks"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(InvalidParameter, match="max_lora_rank"):
+        EngineConfig(enable_lora=True, max_lora_rank=128)
+    with pytest.raises(InvalidParameter, match="max_loras"):
+        EngineConfig(enable_lora=True, max_loras=0)
