@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from plinth.platform.values import MAX_LORA_RANK
 from plinth.validation import InvalidParameter, check_bool, check_float, check_int, check_str
 
 #: The values of :attr:`EngineConfig.quantization`.
@@ -64,6 +65,11 @@ class EngineConfig:
       speculative`` through the lookup, a minimum of 2 drafts at 9% of the tokens of the
       non-repetitive answers with 18% of drafts accepted (mostly wasted verification), 3 at 3% with 34%
       accepted; the repetitive answers' acceptance rises from 82% to 94% (k = 4).
+    - ``enable_lora``: serve LoRA adapters (PEFT folders, loaded with ``LLMEngine.add_lora`` or at
+      start-up); requests with different adapters (and none) batch together. Single-process engines
+      without step buckets only. See docs/serving.md.
+    - ``max_loras`` (1-64): adapters resident at once (slots allocated at start-up).
+    - ``max_lora_rank`` (1-64): the largest adapter rank ``r`` accepted; every slot holds this rank.
     """
 
     model: str | None = None
@@ -91,6 +97,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     ngram_prompt_lookup_max: int = 6
     ngram_prompt_lookup_min: int = 3
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -132,6 +141,9 @@ class EngineConfig:
             "ngram_prompt_lookup_min": check_int(
                 owner, "ngram_prompt_lookup_min", self.ngram_prompt_lookup_min, ge=1, le=16
             ),
+            "enable_lora": check_bool(owner, "enable_lora", self.enable_lora),
+            "max_loras": check_int(owner, "max_loras", self.max_loras, ge=1, le=64),
+            "max_lora_rank": check_int(owner, "max_lora_rank", self.max_lora_rank, ge=1, le=MAX_LORA_RANK),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -141,6 +153,11 @@ class EngineConfig:
                 "ngram_prompt_lookup_min",
                 f"must not exceed ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max}), "
                 f"got {self.ngram_prompt_lookup_min}",
+            )
+        if self.enable_lora and self.world_size > 1:
+            raise ValueError(
+                f"{owner}: enable_lora with {self.world_size} ranks: LoRA adapters are served by single-process "
+                "engines only (tensor_parallel_size = pipeline_parallel_size = 1)"
             )
         if self.num_speculative_tokens and self.world_size > 1:
             raise ValueError(

@@ -151,6 +151,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens",
         "ngram_prompt_lookup_max",
         "ngram_prompt_lookup_min",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
     ):
         value = getattr(args, field, None)
         if value is not None:

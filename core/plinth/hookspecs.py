@@ -41,7 +41,9 @@ The contract objects
 - quantized weights a GEMM may receive, :mod:`plinth.platform.quant`: ``QuantizedWeight``,
   ``dequantize``;
 - the reference kernels a starter plugin subclasses, :mod:`plinth.platform.reference`:
-  ``ReferenceAttention``, ``ReferenceGemm``, ``ReferenceMoE``.
+  ``ReferenceAttention``, ``ReferenceGemm``, ``ReferenceMoE``, ``ReferenceLoRA``;
+- the batched LoRA op, :mod:`plinth.platform.lora` (re-exported by :mod:`plinth.platform.backend`):
+  ``LoRAKernels`` (receiving ``LoRABatch``), built for a ``LoRASpec`` (:mod:`plinth.platform.values`).
 
 Version history
 ---------------
@@ -111,6 +113,10 @@ API    adds / changes
 1.10   tensor and pipeline parallelism together: ``DeviceServices.communicator(..., groups=)`` (the
        world split into groups, every rank passing the same list; the communicator of this rank's
        group, numbered within it)
+1.11   multi-LoRA serving: the batched LoRA op ``LoRAKernels`` (``prepare_batch`` once per step ->
+       ``LoRABatch``; ``shrink``, ``expand`` per adapted projection over stacked adapter slots) for a
+       ``LoRASpec``, from ``Backend.lora_kernels(spec)`` / ``KernelProvider.lora_kernels(spec)``
+       (default: none supplied; the core runs ``ReferenceLoRA`` with a fallback warning)
 =====  ===========================================================================================
 """
 
@@ -128,7 +134,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 10)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 11)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -154,6 +160,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     "SmallOps.gelu_tanh_and_mul, rms_norm_heads",
     (1, 9): "structured output: SmallOps.apply_token_bitmask",
     (1, 10): "TP x PP: DeviceServices.communicator(groups=), the world split into groups",
+    (1, 11): "multi-LoRA: LoRASpec, Backend.lora_kernels and KernelProvider.lora_kernels -> LoRAKernels "
+    "(prepare_batch -> LoRABatch, shrink, expand), ReferenceLoRA",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.
@@ -169,6 +177,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.values.StepShape",
     "plinth.platform.values.MoESpec",
     "plinth.platform.values.MoECapabilities",
+    "plinth.platform.values.LoRASpec",
     "plinth.platform.backend.Backend",
     "plinth.platform.backend.DeviceServices",
     "plinth.platform.backend.AttentionKernels",
@@ -188,6 +197,8 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.backend.MoEKernels",
     "plinth.platform.backend.ExpertWeights",
     "plinth.platform.backend.route_experts",
+    "plinth.platform.lora.LoRAKernels",
+    "plinth.platform.lora.LoRABatch",
     "plinth.platform.backend.torch_dtype",
     "plinth.platform.backend.canonical_kv_view",
     "plinth.platform.backend.dtype_name",
@@ -196,6 +207,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.reference.ReferenceAttention",
     "plinth.platform.reference.ReferenceGemm",
     "plinth.platform.reference.ReferenceMoE",
+    "plinth.platform.reference.ReferenceLoRA",
 )
 
 

@@ -46,6 +46,8 @@ class LLM:
 
     :param model: a Hugging Face folder or a GGUF file; None for the default SmolLM2 model.
     :param backend: a backend name; None to pick the best one installed.
+    :param lora: LoRA adapters to load at start-up, ``{name: PEFT folder}`` (turns ``enable_lora``
+        on); a request selects one with ``generate(..., lora=name)``.
     :param kwargs: any other :class:`plinth.config.EngineConfig` field (validated: an ill-typed or
         out-of-range value raises :class:`~plinth.validation.InvalidParameter` naming the field, a
         misspelled option ``TypeError``).
@@ -56,10 +58,35 @@ class LLM:
         model: str | None = None,
         backend: str | None = None,
         host: PluginHost | None = None,
+        lora: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        if lora:
+            kwargs.setdefault("enable_lora", True)
         self.engine = LLMEngine(EngineConfig(model=model, backend=backend, **kwargs), host=host)
         self._ids = itertools.count()
+        try:
+            for name, path in (lora or {}).items():
+                self.add_lora(name, path)
+        except BaseException:
+            self.engine.close()
+            raise
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter in folder ``path`` as ``name`` (needs ``enable_lora=True``).
+
+        :raises plinth.runtime.engine.InvalidRequest: the adapter is refused (the message names the
+            field at fault), the name is taken, or every slot (``max_loras``) is in use.
+        """
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``, freeing its slot."""
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return self.engine.list_loras()
 
     @property
     def tokenizer(self) -> Any:
@@ -71,6 +98,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched continuously; outputs in prompt order.
 
@@ -79,12 +107,15 @@ class LLM:
         :param params: one SamplingParams for all prompts, or a list of them, one per prompt.
         :param on_output: called with every intermediate output (for streaming or progress); what it
             raises stops the call and aborts its unfinished requests.
+        :param lora: the name of a loaded LoRA adapter for every prompt, or a list with one name (or
+            None: the base model) per prompt; None: the base model.
         :raises TypeError: a prompt or ``params`` of the wrong type (the message names which one).
         :raises plinth.runtime.engine.InvalidRequest: a prompt is refused (not valid text, empty, too
             long, ...); none of this call's requests run.
         """
         prompt_list = _prompt_list(prompts)
-        return self._generate(prompt_list, _param_list(params, len(prompt_list)), on_output, "prompts")
+        loras = _lora_list(lora, len(prompt_list))
+        return self._generate(prompt_list, _param_list(params, len(prompt_list)), on_output, "prompts", loras)
 
     def chat(
         self,
@@ -170,12 +201,14 @@ class LLM:
         param_list: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None,
         name: str,
+        loras: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
+        lora_list = loras if loras is not None else [None] * len(prompt_list)
         try:
-            for i, (rid, prompt, p) in enumerate(zip(ids, prompt_list, param_list, strict=True)):
+            for i, (rid, prompt, p, lora) in enumerate(zip(ids, prompt_list, param_list, lora_list, strict=True)):
                 try:
-                    self.engine.add_request(rid, prompt, p)
+                    self.engine.add_request(rid, prompt, p, lora=lora)
                 except InvalidRequest as exc:
                     if len(prompt_list) == 1:
                         raise
@@ -308,6 +341,17 @@ def _param_list(params: Any, n: int) -> list[SamplingParams]:
     raise TypeError(
         f"params must be a SamplingParams, a list of them (one per prompt) or None; got {_describe(params)}{hint}"
     )
+
+
+def _lora_list(lora: Any, n: int) -> list[str | None]:
+    """One adapter name (or None) per prompt from ``generate``'s ``lora`` argument."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * n
+    if not isinstance(lora, Sequence) or not all(x is None or isinstance(x, str) for x in lora):
+        raise TypeError(f"lora must be an adapter name, None, or a list of those; got {_describe(lora)}")
+    if len(lora) != n:
+        raise TypeError(f"lora has {len(lora)} entries for {n} prompts")
+    return list(lora)
 
 
 def _conversations(messages: Any) -> list[list[Message]]:

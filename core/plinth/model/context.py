@@ -16,6 +16,7 @@ from plinth.platform.backend import (
     AttentionMetadata,
     AttentionSpec,
     GemmKernels,
+    LoRABatch,
     MoEKernels,
     MoESpec,
     SmallOps,
@@ -29,10 +30,15 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ForwardContext:
-    """One step's varlen batch and the KV caches the attention layers read and write."""
+    """One step's varlen batch and the KV caches the attention layers read and write.
+
+    ``lora``: each token's adapter slot, when any token of the step has an adapter (multi-LoRA);
+    None otherwise, and then the layers skip LoRA altogether.
+    """
 
     attn: AttentionMetadata  # the varlen batch
     kv_caches: list[torch.Tensor]  # one per layer, made by Backend.allocate_kv_cache
+    lora: LoRABatch | None = None
 
 
 @dataclass(slots=True)

@@ -16,7 +16,16 @@ from torch import nn
 
 from plinth.model.config import MoEConfig, RopeScaling
 from plinth.model.context import ForwardContext, ModelKernels
-from plinth.platform.backend import AttentionKernels, ExpertWeights, LinearWeight, MoEKernels, MoESpec, dtype_name
+from plinth.model.lora import NO_LORA, LoRALayer
+from plinth.platform.backend import (
+    AttentionKernels,
+    ExpertWeights,
+    LinearWeight,
+    LoRABatch,
+    MoEKernels,
+    MoESpec,
+    dtype_name,
+)
 from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
 from plinth.platform.reference import ReferenceMoE
 
@@ -204,6 +213,9 @@ class Attention(nn.Module):
         self.attn_kernels = attn_kernels
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, kernels) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, kernels) if qk_norm_eps is not None else None
+        # adapter slots (plinth.model.lora.attach_lora), used only in steps with adapter tokens
+        self.qkv_lora: LoRALayer = NO_LORA
+        self.o_lora: LoRALayer = NO_LORA
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``hidden`` [T, hidden] at ``positions`` [T] -> [T, hidden]."""
@@ -211,6 +223,9 @@ class Attention(nn.Module):
         # (hook bookkeeping), and a decode step makes hundreds of these calls.
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)  # [T, (H + 2 Hkv) D]
+        lora = ctx.lora
+        if lora is not None:  # each of q/k/v is a slice of the fused output
+            self.qkv_lora.apply(qkv, hidden, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -225,7 +240,12 @@ class Attention(nn.Module):
         out, ctx.kv_caches[self.layer_idx] = self.attn_kernels.write_and_attend(
             q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn, self.scale
         )  # [T, H, D]
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if lora is None:
+            return self.o_proj.forward(out)
+        projected = self.o_proj.forward(out)  # [T, hidden]
+        self.o_lora.apply(projected, out, lora)
+        return projected
 
 
 class GatedMLP(nn.Module):
@@ -251,12 +271,21 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported MLP activation {activation!r}; supported: 'silu', 'gelu_tanh'")
         self.silu = activation == "silu"
         self.ops = kernels.ops
+        # adapter slots (plinth.model.lora.attach_lora), used only in steps with adapter tokens
+        self.gate_up_lora: LoRALayer = NO_LORA
+        self.down_lora: LoRALayer = NO_LORA
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """``x`` [T, hidden] -> [T, hidden]; ``lora``: the step's adapter slots, if it has any."""
         gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
+        if lora is not None:  # gate and up are slices of the fused output
+            self.gate_up_lora.apply(gate_up, x, lora)
         act = self.ops.silu_and_mul(gate_up) if self.silu else self.ops.gelu_tanh_and_mul(gate_up)  # [T, I]
-        return self.down_proj.forward(act)  # [T, hidden]
+        if lora is None:
+            return self.down_proj.forward(act)  # [T, hidden]
+        out = self.down_proj.forward(act)
+        self.down_lora.apply(out, act, lora)
+        return out
 
 
 class SparseMoE(nn.Module):
@@ -321,8 +350,8 @@ class SparseMoE(nn.Module):
         self.op = factory(self.base_spec)
         self.experts = self.op.prepare(gate_up, down_stack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """``x`` [T, hidden] -> [T, hidden]; ``lora`` is ignored (experts are not adapted)."""
         assert self.op is not None and self.experts is not None, "SparseMoE used before its experts were loaded"
         out = self.op.forward(x, self.gate.forward(x), self.experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

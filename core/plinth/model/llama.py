@@ -112,9 +112,9 @@ class DecoderLayer(nn.Module):
         if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
             attn = self.post_attention_layernorm.forward(attn)
             normed, residual = self.pre_feedforward_layernorm.add_forward(attn, residual)
-            return self.post_feedforward_layernorm.forward(self.mlp.forward(normed)), residual
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(normed, ctx.lora)), residual
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
-        return self.mlp.forward(normed), residual
+        return self.mlp.forward(normed, ctx.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from plinth.platform.devices import HOST, HOST_COLLECTIVES
+from plinth.platform.lora import LoRABatch, LoRAKernels
 from plinth.platform.quant import QuantizedWeight, dequantize
 
 # The torch-free value objects live in plinth.platform.values (discovery imports them without
@@ -26,6 +27,7 @@ from plinth.platform.values import (
     AttentionSpec,
     Capabilities,
     KVCacheLayout,
+    LoRASpec,
     MoECapabilities,
     MoESpec,
     NotSupported,
@@ -55,6 +57,9 @@ __all__ = [
     "KVCacheLayout",
     "KernelProvider",
     "LinearWeight",
+    "LoRABatch",
+    "LoRAKernels",
+    "LoRASpec",
     "NotSupported",
     "Probe",
     "SmallOps",
@@ -1078,6 +1083,15 @@ class Backend(ABC):
         """
         raise NotSupported(self.name, "fused MoE", "the backend supplies no fused-MoE op")
 
+    def lora_kernels(self, spec: LoRASpec) -> LoRAKernels:
+        """The batched LoRA op for ``spec`` (multi-LoRA serving); raise :class:`NotSupported` for a
+        case it does not cover. The default supplies none: a LoRA-enabled engine then runs the
+        reference op (:class:`plinth.platform.reference.ReferenceLoRA`) with a fallback warning.
+
+        .. versionadded:: 1.11
+        """
+        raise NotSupported(self.name, "LoRA", "the backend supplies no batched LoRA op")
+
     def step_buckets(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> StepBuckets | None:
         """The shapes to pad every step to, for an engine whose steps have at most ``max_tokens``
         query tokens, ``max_seqs`` sequences and ``max_blocks_per_seq`` blocks per sequence; None
@@ -1146,5 +1160,12 @@ class KernelProvider(ABC):
         """A fused-MoE op for ``spec``, or None when this provider does not cover it.
 
         .. versionadded:: 1.8
+        """
+        return None
+
+    def lora_kernels(self, spec: LoRASpec) -> LoRAKernels | None:
+        """A batched LoRA op for ``spec``, or None when this provider does not cover it.
+
+        .. versionadded:: 1.11
         """
         return None

@@ -19,21 +19,27 @@ from plinth.platform.backend import (
     Backend,
     GemmKernels,
     KernelProvider,
+    LoRAKernels,
+    LoRASpec,
     MoEKernels,
     MoESpec,
     NotSupported,
     SmallOps,
     torch_dtype,
 )
-from plinth.platform.reference import ReferenceAttention, ReferenceGemm, ReferenceMoE
+from plinth.platform.reference import ReferenceAttention, ReferenceGemm, ReferenceLoRA, ReferenceMoE
 
 logger = logging.getLogger(__name__)
 
-_K = TypeVar("_K", GemmKernels, AttentionKernels, MoEKernels)
+_K = TypeVar("_K", GemmKernels, AttentionKernels, MoEKernels, LoRAKernels)
 
 
 def _reference_moe(spec: MoESpec) -> MoEKernels:
     return ReferenceMoE(spec)
+
+
+def _reference_lora(spec: LoRASpec) -> LoRAKernels:
+    return ReferenceLoRA(spec)
 
 
 @dataclass(slots=True)
@@ -47,6 +53,8 @@ class KernelSet:
     attention: Callable[[AttentionSpec], AttentionKernels]
     #: Called once per MoE layer spec as the model loads its experts (API 1.8).
     moe: Callable[[MoESpec], MoEKernels] = _reference_moe
+    #: Called once when the engine enables LoRA (API 1.11).
+    lora: Callable[[LoRASpec], LoRAKernels] = _reference_lora
     #: One line per op that fell back to the reference kernel (each distinct case once; attention
     #: cases are added as the model's layers are built). Logged as a warning when taken, and shown
     #: by ``plinth generate`` and in ``plinth bench`` results, since it means "slow".
@@ -147,6 +155,27 @@ def resolve_kernels(
             fallback("fused MoE", err)
             return ReferenceMoE(spec)
 
+    def lora(spec: LoRASpec) -> LoRAKernels:
+        def make(provider: KernelProvider) -> LoRAKernels | None:
+            return provider.lora_kernels(spec)
+
+        what = f"batched LoRA for {spec}"
+        if (kernels := provided(preferred, make, what)) is not None:
+            return kernels
+        try:
+            return backend.lora_kernels(spec)
+        except NotSupported as err:
+            if (kernels := provided(spare, make, what)) is not None:
+                return kernels
+            fallback("LoRA", err)
+            return ReferenceLoRA(spec)
+
     return KernelSet(
-        backend=backend, gemm=gemm, ops=backend.small_ops(), attention=attention, moe=moe, fallbacks=fallbacks
+        backend=backend,
+        gemm=gemm,
+        ops=backend.small_ops(),
+        attention=attention,
+        moe=moe,
+        lora=lora,
+        fallbacks=fallbacks,
     )

@@ -24,6 +24,9 @@ from plinth.platform.backend import (
     GemmKernels,
     KVCacheLayout,
     LinearWeight,
+    LoRABatch,
+    LoRAKernels,
+    LoRASpec,
     MoECapabilities,
     MoEKernels,
     MoESpec,
@@ -182,12 +185,34 @@ class ReferenceMoE(MoEKernels):
         return out.to(x.dtype)
 
 
+class ReferenceLoRA(LoRAKernels):
+    """The batched-LoRA oracle: token by token, the token's own adapter's matrices, accumulated in
+    fp32 (fp64 for fp64). Slow (a Python loop over the step's tokens), obviously correct.
+
+    .. versionadded:: 1.11
+    """
+
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out = torch.zeros(x.shape[0], a.shape[1], dtype=acc, device=x.device)  # [T, rank]
+        for t, slot in enumerate(batch.slots):
+            if slot >= 0:
+                out[t] = a[slot].to(acc) @ x[t].to(acc)
+        return out.to(x.dtype)
+
+    def expand(self, y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
+        acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+        for t, slot in enumerate(batch.slots):
+            if slot >= 0:
+                y[t] = (y[t].to(acc) + b[slot].to(acc) @ s[t].to(acc)).to(y.dtype)
+
+
 class ReferenceBackend(Backend):
     """Plain torch on the host CPU in fp32 or fp64; every head size, block size and feature."""
 
     name = "reference"
     version = "0.1.0"
-    api_version = (1, 8)
+    api_version = (1, 11)
     description = "plain-torch oracle: slow, obviously correct"
 
     def __init__(self) -> None:
@@ -229,6 +254,9 @@ class ReferenceBackend(Backend):
     def moe_kernels(self, spec: MoESpec) -> MoEKernels:
         self._caps.require_moe(self.name, spec)
         return ReferenceMoE(spec)
+
+    def lora_kernels(self, spec: LoRASpec) -> LoRAKernels:
+        return ReferenceLoRA(spec)
 
 
 @hookimpl

@@ -194,6 +194,10 @@ class AttentionSpec:
 MOE_ACTIVATIONS: frozenset[str] = frozenset({"silu", "gelu_tanh"})
 
 
+#: The largest LoRA rank an engine accepts (``EngineConfig.max_lora_rank``, :class:`LoRASpec`).
+MAX_LORA_RANK = 64
+
+
 @dataclass(frozen=True, slots=True)
 class MoESpec:
     """One mixture-of-experts layer: what decides whether a backend's fused-MoE op can run it.
@@ -230,6 +234,32 @@ class MoESpec:
             )
         if self.activation not in MOE_ACTIVATIONS:
             raise ValueError(f"MoESpec.activation {self.activation!r}: choose one of {sorted(MOE_ACTIVATIONS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASpec:
+    """The adapter slots of a LoRA-enabled engine: what a backend's batched LoRA op is built for.
+
+    The op's semantics (:class:`plinth.platform.lora.LoRAKernels`): for every token ``t`` of a step
+    whose adapter slot ``s = slot[t]`` is not -1, ``y[t] += (x[t] @ A[s].T) @ B[s].T``, with ``A``
+    stacked ``[max_loras, rank, in]`` and ``B`` ``[max_loras, out, rank]`` (the adapter's scale is
+    folded into ``B`` at load time). Tokens with slot -1 are left as the base layer computed them.
+
+    .. versionadded:: 1.11
+    """
+
+    #: Adapter slots (adapters resident at once).
+    max_loras: int
+    #: The largest adapter rank a slot holds (smaller ranks are zero-padded).
+    max_rank: int
+    #: Compute dtype name ("float32", "bfloat16", ...).
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"LoRASpec.max_loras must be at least 1, got {self.max_loras}")
+        if not 1 <= self.max_rank <= MAX_LORA_RANK:
+            raise ValueError(f"LoRASpec.max_rank must be in 1..{MAX_LORA_RANK}, got {self.max_rank}")
 
 
 @dataclass(frozen=True, slots=True)

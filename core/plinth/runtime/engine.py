@@ -30,6 +30,7 @@ from plinth.platform.host import PluginHost, default_host
 from plinth.pooling_params import PoolingParams
 from plinth.runtime.embeddings import EmbeddingRequests
 from plinth.runtime.graphs import DecodeGraphs
+from plinth.runtime.lora import LoRAAdapter, LoRAError, LoRAManager, build_lora
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, kv_blocks, load_parts, rank_memory
 from plinth.runtime.pipeline import PipelineRunner
@@ -74,6 +75,7 @@ class _Group:
     seqs: dict[int, _Sequence] = field(default_factory=dict)
     #: with ``params.prompt_logprobs``: one entry per prompt token, filled chunk by chunk
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    lora_id: int = 0  # the LoRA adapter it holds (0: none), released when the group ends
 
 
 class LLMEngine:
@@ -210,6 +212,15 @@ class LLMEngine:
                 sampler=Sampler(self.kernels.ops),
                 static=self.static,
             )
+        #: the LoRA adapters (``enable_lora``); None: LoRA off, and no step pays anything for it
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            if self.static is not None:
+                raise InvalidRequest(
+                    f"backend {backend.name!r} compiles static-shape steps: LoRA adapters are not served there yet"
+                )
+            self.lora = build_lora(config, self.model, self.kernels.lora, dtype, services.device)
+            self.runner.lora = self.lora
         self._groups: dict[str, _Group] = {}
         #: grammars and matchers of the constrained requests (llguidance is loaded at the first one)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
@@ -288,19 +299,52 @@ class LLMEngine:
         needed = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1  # +1: the null block
         return kv_blocks(ranks, self.config, needed)
 
+    # -- LoRA adapters -------------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load the PEFT LoRA adapter in folder ``path`` as ``name`` (between steps).
+
+        :raises InvalidRequest: LoRA is off, or the adapter is refused (the ``param`` names the field).
+        """
+        return self._lora_manager().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``; requests running with it finish with it first.
+
+        :raises InvalidRequest: LoRA is off or no adapter of that name is loaded.
+        """
+        self._lora_manager().remove(name)
+
+    def list_loras(self) -> list[str]:
+        """The names of the loaded LoRA adapters (empty when LoRA is off)."""
+        return self.lora.names() if self.lora is not None else []
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError("LoRA adapters need an engine started with enable_lora=True", param="lora")
+        return self.lora
+
     # -- requests ----------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Validate and queue a request.
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora: str | None = None,
+    ) -> None:
+        """Validate and queue a request; ``lora`` names a loaded LoRA adapter to run it with.
 
         :raises InvalidRequest: empty or over-long prompt, a token id outside the vocabulary (in the
             prompt or ``params.logit_bias``), a structured-output constraint that cannot be enforced
-            (the message names the keyword), or a duplicate request id. Nothing is queued then;
-            running requests are unaffected.
+            (the message names the keyword), an adapter that is not loaded (``param`` "lora"), or a
+            duplicate request id. Nothing is queued then; running requests are unaffected.
         """
         params = params or SamplingParams()
         if request_id in self._groups or request_id in self._embeddings:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if lora is not None and self._lora_manager().get(lora) is None:  # refused before any work
+            self._lora_manager().acquire(lora)  # raises: the message names the adapters that are loaded
         if isinstance(prompt, str):
             text: str | None = prompt
             prompt_ids = self.tokenizer.encode(prompt)
@@ -344,8 +388,11 @@ class LLMEngine:
                 "pipeline parallelism yet",
                 param="prompt_logprobs",
             )
+        lora_id = self.lora.acquire(lora) if lora is not None and self.lora is not None else 0
         seed, top = params.seed, params.prompt_logprobs
-        request = Request(request_id, prompt_ids, stop, params=params, seed=seed, n=params.n, prompt_logprobs=top)
+        request = Request(
+            request_id, prompt_ids, stop, params=params, seed=seed, n=params.n, prompt_logprobs=top, lora_id=lora_id
+        )
         group = _Group(
             request_id,
             text,
@@ -353,17 +400,20 @@ class LLMEngine:
             params,
             RequestMetrics(request.arrival_time, num_prompt_tokens=len(prompt_ids)),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
+            lora_id=lora_id,
         )
         self._add_sequence(group, 0)
         if params.structured is not None:
             try:
                 self.structured.add(request_id, params)
             except UnsupportedConstraint as exc:
+                self._release_lora(group)
                 raise InvalidRequest(str(exc), param=f"structured.{exc.field}") from exc
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:  # the scheduler's own guard: forget the request, keep serving
             self.structured.forget(request_id)
+            self._release_lora(group)
             raise InvalidRequest(str(exc)) from exc
         self._groups[request_id] = group
 
@@ -408,7 +458,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort a request and all its sequences; their KV blocks return to the pool at once."""
         self.structured.forget(request_id)
-        if self._groups.pop(request_id, None) is not None or self._embeddings.discard(request_id):
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            self._release_lora(group)
+        if group is not None or self._embeddings.discard(request_id):
             self.scheduler.finish(EngineFinishes(aborted=[request_id]))
 
     def has_unfinished(self) -> bool:
@@ -581,5 +634,12 @@ class LLMEngine:
     def _release(self, group: _Group) -> None:
         # the scheduler already forgot its sequences; the runner drops their generators when the
         # next step's output lists them as finished
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            self._release_lora(group)
         self.structured.forget(group.request_id)
+
+    def _release_lora(self, group: _Group) -> None:
+        """The group no longer holds its adapter (an unloaded adapter's slot frees with its last group)."""
+        if group.lora_id and self.lora is not None:
+            self.lora.release(group.lora_id)
+            group.lora_id = 0

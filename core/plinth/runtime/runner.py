@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from plinth.model.context import ForwardContext
-from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices
+from plinth.platform.backend import AttentionKernels, AttentionMetadata, DeviceServices, LoRABatch
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.pooler import Pooler
 from plinth.runtime.prompt_logprobs import PromptScorer
@@ -24,6 +24,7 @@ from plinth.sched.output import ScheduledChunk, SchedulerOutput
 from plinth.sched.request import Sample, SequenceId
 
 if TYPE_CHECKING:
+    from plinth.runtime.lora import LoRAManager
     from plinth.structured.masks import StepMasks
 
 
@@ -82,6 +83,8 @@ class ModelRunner:
         self.pooler = Pooler()
         #: prompt logprobs of the chunks that ask for them; the engine takes them after the step
         self.prompt_scorer = PromptScorer()
+        #: the engine's LoRA adapters (None: LoRA off); a step with adapter tokens runs eagerly
+        self.lora: LoRAManager | None = None
 
     def prepare(self, scheduled: list[ScheduledChunk[SamplingParams]]) -> BatchInputs:
         """Build the step's tensors from the scheduler's value objects (in the order given)."""
@@ -159,8 +162,10 @@ class ModelRunner:
         # prompt-logprobs chunks (refused on the static path too); every rank runs their LM head
         scoring = [i for i, s in enumerate(scheduled) if s.prompt_targets is not None]
         graphs = self.graphs
+        # each token's adapter slot; None (every step of an engine without LoRA): the layers skip LoRA
+        lora = self.lora.batch(scheduled) if self.lora is not None else None
         if any(s.draft_token_ids for s in scheduled):  # step graphs and static shapes take 1-token decodes only
-            return self._execute_drafts(scheduled, sampling, masks, scoring)
+            return self._execute_drafts(scheduled, sampling, masks, scoring, lora)
         if self.static is not None:
             if not scheduled:
                 return {}
@@ -171,7 +176,8 @@ class ModelRunner:
                 return {}
             logits = rows if len(sampling) == len(scheduled) else rows[torch.tensor(sampling)]
             return self._sample(logits, scheduled, sampling, masks)
-        if graphs is not None and self._graph_step(out, graphs):
+        # a step graph records the base model's calls only: steps with adapter tokens run eagerly
+        if graphs is not None and lora is None and self._graph_step(out, graphs):
             hidden = graphs.run(
                 [s.token_ids[0] for s in scheduled],
                 [s.start_position for s in scheduled],
@@ -184,7 +190,7 @@ class ModelRunner:
             last = hidden if len(sampling) == len(scheduled) else hidden[torch.tensor(sampling, device=self.device)]
         else:
             batch = self.prepare(scheduled)
-            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches, lora))
             if pooling:
                 self.pooler.pool(hidden, scheduled, pooling)
             if scoring:
@@ -201,13 +207,14 @@ class ModelRunner:
         sampling: list[int],
         masks: StepMasks | None,
         scoring: list[int],
+        lora: LoRABatch | None = None,
     ) -> dict[SequenceId, SampleResult]:
         """An eager step with draft tokens: logits at every position of each speculating chunk
         (and at the prompt rows of the chunks ``scoring`` indexes, for their prompt logprobs)."""
         if self.static is not None:
             raise RuntimeError("a static-shape step cannot take draft tokens (the engine refuses speculation there)")
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches))
+        hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn, self.kv_caches, lora))
         if scoring:
             self.prompt_scorer.score(self.model.compute_logits, hidden, scheduled, scoring, keep=self.sample)
         idx = torch.tensor(logit_rows(scheduled, sampling), device=self.device)

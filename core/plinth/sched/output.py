@@ -31,6 +31,8 @@ class ScheduledChunk(Generic[P]):
 
     ``prompt_targets`` (prompt logprobs): the prompt tokens the chunk's first rows predict; the
     runner scores those rows too (None for every other chunk: they cost nothing extra).
+
+    ``lora_id``: the sequence's LoRA adapter (0: none; the runner maps it to an adapter slot).
     """
 
     seq_id: SequenceId
@@ -41,6 +43,7 @@ class ScheduledChunk(Generic[P]):
     pool: Pool | None = None
     draft_token_ids: list[int] = field(default_factory=list)
     prompt_targets: PromptTargets | None = None
+    lora_id: int = 0
 
     @property
     def num_samples(self) -> int:

@@ -6,6 +6,10 @@ first ``(i + 1) * block_size`` tokens are equal. sha256 over a fixed encoding is
 processes and machines (Python's ``hash`` is salted per process), which leaves room for sharing a
 cache between processes later. Only FULL blocks are hashed; a partial block is never cached.
 
+A request's LoRA adapter is the chain's extra key: the first block of a request with
+``lora_id`` k > 0 chains from ``root_hash(k)``, not :data:`ROOT_HASH`, so (the hash being chained)
+no block is ever shared between different adapters, or between an adapter and the base model.
+
 ``NoPrefixCache`` is the null implementation used when prefix caching is off, so the manager never
 checks a flag.
 """
@@ -23,6 +27,13 @@ from plinth.sched.request import Request, SequenceId
 
 ROOT_HASH: BlockHash = b"plinth-prefix-v1"
 """The parent hash of a sequence's first block."""
+
+
+def root_hash(lora_id: int) -> BlockHash:
+    """The parent hash of the first block of a request with LoRA adapter ``lora_id`` (0: none)."""
+    if lora_id == 0:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + b"lora" + struct.pack("<q", lora_id)).digest()
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -98,7 +109,7 @@ class HashPrefixCache:
             return
         bs = self._pool.block_size
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.lora_id)
         for i in range(len(hashes), num_blocks):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
@@ -113,7 +124,7 @@ class HashPrefixCache:
         hits: list[KVBlock] = []
         for i in range(max_blocks):
             if i == len(hashes):  # hash lazily: an early miss saves hashing the rest
-                parent = hashes[-1] if hashes else ROOT_HASH
+                parent = hashes[-1] if hashes else root_hash(request.lora_id)
                 hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
             block = self._pool.lookup(hashes[i])
             if block is None:

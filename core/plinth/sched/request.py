@@ -127,6 +127,9 @@ class Request(Generic[P]):
     ``prompt_logprobs`` (None: off) asks the runner to score every prompt token with ``top``
     alternatives: until the request has sampled, its chunks carry :class:`PromptTargets` and it
     takes no prefix-cache hits (a hit skips the positions to score).
+
+    ``lora_id`` names the LoRA adapter the request runs with (0: none): an opaque int the engine
+    mints per loaded adapter and never reuses, so the prefix cache keeps each adapter's blocks apart.
     """
 
     request_id: str
@@ -145,6 +148,7 @@ class Request(Generic[P]):
     forked: bool = False  # True once forked into n sequences (and for the forks): never fork again
     pooling: Pooling | None = field(default=None, kw_only=True)  # set: an embedding request
     prompt_logprobs: int | None = field(default=None, kw_only=True)  # set: score the prompt (top-n)
+    lora_id: int = field(default=0, kw_only=True)  # the adapter (0: none); its blocks are its own
     seq_id: SequenceId = field(init=False)
     samples: tuple[Sample[P]] = field(init=False)  # the one sample it takes each step, built once
 

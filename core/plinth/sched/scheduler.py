@@ -479,6 +479,7 @@ class Scheduler(Generic[P]):
             pool=None if request.pooling is None else Pool(request.pooling, end >= request.num_tokens),
             draft_token_ids=drafts or [],
             prompt_targets=request.prompt_targets(start, end),
+            lora_id=request.lora_id,
         )
 
     def update(
@@ -581,6 +582,7 @@ class Scheduler(Generic[P]):
                 status=RequestStatus.RUNNING,
                 arrival_time=parent.arrival_time,
                 forked=True,
+                lora_id=parent.lora_id,
             )
             if child.seq_id in self._requests:
                 raise RuntimeError(f"fork {child.seq_id} is already in use")

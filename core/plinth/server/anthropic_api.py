@@ -309,7 +309,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response | 
     prompt = await _prompt(st, body)
     st.check_context(len(prompt), max_tokens, "messages", "max_tokens")
     msg_id = f"msg_{uuid.uuid4().hex}"
-    streams: Streams = {0: engine_outputs(st, msg_id, prompt, params)}
+    streams: Streams = {0: engine_outputs(st, msg_id, prompt, params, st.lora_for(model))}
     if body.stream:
         firsts = await start_streams(streams)
         gen = _stream(params, tools, msg_id, model, firsts, streams)

@@ -22,6 +22,7 @@ from plinth.server.async_engine import AsyncEngine
 from plinth.server.embeddings_api import router as embeddings_router
 from plinth.server.errors import install_error_handlers
 from plinth.server.gate import RequestGate
+from plinth.server.lora_api import router as lora_router
 from plinth.server.metrics import ServerMetrics
 from plinth.server.openai_api import router as openai_router
 from plinth.server.openapi import ERRORS, describe
@@ -42,15 +43,16 @@ public = APIRouter()
 
 
 def _card(st: ServerState, name: str) -> ModelCard:
-    # root is the served name, never the model's file path (which tells a caller about the host)
-    return ModelCard(id=name, created=st.created, root=name, max_model_len=st.max_model_len)
+    # root is the served name, never the model's (or an adapter's) path (which tells a caller about the host)
+    parent = st.settings.served_model_names[0] if st.lora_for(name) is not None else None
+    return ModelCard(id=name, created=st.created, root=name, max_model_len=st.max_model_len, parent=parent)
 
 
 @protected.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
-    """The served model names."""
+    """The served model names, then the LoRA adapters (each with its ``parent``)."""
     st = get_state(request)
-    return ModelList(data=[_card(st, n) for n in st.settings.served_model_names])
+    return ModelList(data=[_card(st, n) for n in [*st.settings.served_model_names, *st.loras]])
 
 
 @protected.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
@@ -140,13 +142,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, on_start: Any = Non
         redoc_url=None,
     )
     metrics = ServerMetrics(lambda: engine.stats, settings.served_model_names[0], vllm_names=settings.vllm_metric_names)
-    state = ServerState(engine=engine, settings=settings, metrics=metrics)
+    # the adapters loaded at start-up (--lora); the admin routes keep the list after that
+    state = ServerState(engine=engine, settings=settings, metrics=metrics, loras=engine.engine.list_loras())
     app.state.plinth = state
     install_error_handlers(app)
     app.include_router(protected)
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
     app.include_router(embeddings_router, dependencies=[Depends(require_api_key)])
     app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])
+    app.include_router(lora_router, dependencies=[Depends(require_api_key)])
     app.include_router(public)
     app.add_middleware(RequestGate, state=lambda: state)
     describe(app)

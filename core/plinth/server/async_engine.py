@@ -29,7 +29,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from plinth.pooling_params import PoolingParams
 from plinth.runtime.engine import InvalidRequest
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from plinth.runtime.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _IDLE_POLL_S = 0.5  # an idle engine thread wakes this often to notice a stop without a command
 
@@ -83,6 +85,7 @@ class _Add:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
+    lora: str | None = None  # the LoRA adapter it runs with
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,14 @@ class _AbortAll:
 
     reason: str
     done: Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run ``fn(engine)`` between steps (adapter loads); ``done`` gets the result or the exception."""
+
+    fn: Callable[[LLMEngine], object]
+    done: Callable[[object, BaseException | None], None]
 
 
 class _Stop:
@@ -135,7 +146,7 @@ class AsyncEngine:
         self.num_restarts = 0
         self.restarting = False
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Call | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # touched on the loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -185,6 +196,31 @@ class AsyncEngine:
         self._commands.put(_AbortAll(reason, resolve))
         return await done
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` run on the engine thread between two steps (what changes the model's
+        weights, as loading a LoRA adapter does); its exception is raised here.
+
+        :raises EngineStopped: the engine thread is not running.
+        """
+        if self._stopping or self._thread is None or self._loop is None or not self._thread.is_alive():
+            raise EngineStopped("the server is shutting down" if self._stopping else "the engine is not started")
+        loop = self._loop
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: object, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)  # type: ignore[arg-type]
+
+        def resolve(result: object, error: BaseException | None) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self._commands.put(_Call(fn, resolve))
+        return await done
+
     @property
     def is_running(self) -> bool:
         """True while the engine thread is alive and serving (the /health answer: not while restarting)."""
@@ -198,9 +234,14 @@ class AsyncEngine:
     # -- the one core API ------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Queue a request and yield its outputs as the engine advances it, the last one finished.
+        """Queue a request and yield its outputs as the engine advances it, the last one finished;
+        ``lora`` names the LoRA adapter to run it with.
 
         With :class:`~plinth.pooling_params.PoolingParams` it is an embedding request: one output,
         finished, with ``embedding`` set.
@@ -221,7 +262,7 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params))
+        self._commands.put(_Add(request_id, prompt, params, lora))
         done = False  # True once the engine no longer holds the request
         try:
             while True:
@@ -320,6 +361,13 @@ class AsyncEngine:
                 aborted = engine.abort_all()
                 items.extend((rid, EngineStopped(command.reason)) for rid in aborted)
                 command.done(len(aborted))
+            elif isinstance(command, _Call):
+                try:
+                    result = command.fn(engine)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller, the loop keeps serving
+                    command.done(None, exc)
+                else:
+                    command.done(result, None)
             else:
                 error = self._add(command)
                 if error is not None:
@@ -341,7 +389,7 @@ class AsyncEngine:
             if isinstance(command.params, PoolingParams):
                 engine.add_embedding_request(command.request_id, command.prompt, command.params)
             else:
-                engine.add_request(command.request_id, command.prompt, command.params)
+                engine.add_request(command.request_id, command.prompt, command.params, lora=command.lora)
         except InvalidRequest as exc:
             return exc  # refused before anything was queued
         except ValueError as exc:  # the scheduler refused it after the engine registered it
@@ -365,6 +413,8 @@ class AsyncEngine:
                 items.append((command.request_id, error))
             elif isinstance(command, _AbortAll):
                 command.done(0)
+            elif isinstance(command, _Call):
+                command.done(None, error)
         self._deliver(items)
 
     def _deliver(self, items: list[tuple[str, _Item]]) -> None:

@@ -103,7 +103,7 @@ def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """OpenAI embeddings: the final hidden states pooled (last token or mean), in float32."""
     st = get_state(request)
-    model = st.model_name(body.model)
+    model = st.model_name(body.model, adapters=False)  # adapters do not embed
     try:
         check_dimensions(st.engine.engine.model_config, body.dimensions)
     except InvalidRequest as exc:

@@ -72,6 +72,30 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--no-vllm-metric-names", action="store_true", help="export metrics only as plinth:*, not also as vllm:*"
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument(
+        "--lora",
+        type=lora_module,
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in folder PATH as model NAME (repeatable; turns on --enable-lora)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters (loaded with --lora or POST /v1/load_lora_adapter)",
+    )
+    p.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest LoRA rank accepted (default 16)")
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """``--lora NAME=PATH`` -> ``(NAME, PATH)``."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter folder), got {value!r}")
+    return name, path
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -87,6 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from plinth.startup import start_up_done
 
     cache = {"num_kv_blocks": args.num_kv_blocks, "kv_cache_memory_gb": args.kv_cache_memory_gb}
+    if args.lora:
+        args.enable_lora = True
     config = EngineConfig(
         **engine_options(args),
         enable_prefix_caching=not args.no_prefix_caching,
@@ -105,10 +131,19 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.restart_workers < 0:
         raise SystemExit(f"plinth serve: --restart-workers must be >= 0, got {args.restart_workers}")
+
+    def build_engine() -> LLMEngine:  # at start, and again after a worker failure (--restart-workers)
+        built = LLMEngine(config)
+        for name, path in args.lora or []:
+            if name in settings.served_model_names:
+                raise SystemExit(f"plinth serve: --lora {name}={path}: {name!r} is the base model's served name")
+            built.add_lora(name, path)  # a refused adapter stops the start-up, naming the field
+        return built
+
     engine = AsyncEngine(
-        LLMEngine(config),
+        build_engine(),
         max_waiting=args.max_waiting,
-        rebuild=lambda: LLMEngine(config),  # the same config: same backend, model, workers, KV cache
+        rebuild=build_engine,  # the same config: same backend, model, workers, KV cache, adapters
         max_restarts=args.restart_workers,
     )
     holder: dict[str, Any] = {}

@@ -181,7 +181,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         st.check_context(len(ids), max_tokens, param, "max_tokens")
         prompt_ids.append(ids)
     base = f"cmpl-{uuid.uuid4().hex}"
-    streams: Streams = {i: engine_outputs(st, f"{base}-{i}", p, params) for i, p in enumerate(prompt_ids)}
+    streams: Streams = {
+        i: engine_outputs(st, f"{base}-{i}", p, params, st.lora_for(model)) for i, p in enumerate(prompt_ids)
+    }
     created = int(time.time())
     echo: dict[int, str] = {}
     if body.echo:
@@ -314,7 +316,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt = await st.chat_prompt(messages, "messages", body.add_generation_prompt, template_vars)
     st.check_context(len(prompt), max_tokens, "messages", body.max_tokens_param)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    streams: Streams = {0: engine_outputs(st, base, prompt, params)}
+    streams: Streams = {0: engine_outputs(st, base, prompt, params, st.lora_for(model))}
     created = int(time.time())
     top_n = body.top_logprobs or 0
     if body.stream:

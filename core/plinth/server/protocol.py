@@ -607,6 +607,8 @@ class ModelCard(BaseModel):
     owned_by: str = "plinth"
     root: str
     max_model_len: int
+    #: a LoRA adapter's base model (vLLM's field); None for the base model itself
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

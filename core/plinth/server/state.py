@@ -60,6 +60,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     in_flight: int = 0
+    #: the LoRA adapters clients may name as ``model`` (in load order), kept by the admin routes
+    #: (:mod:`plinth.server.lora_api`) in step with the engine's
+    loras: list[str] = field(default_factory=list)
 
     @property
     def tokenizer(self) -> Any:
@@ -76,14 +79,22 @@ class ServerState:
         """The fan-out cap: prompts x n of one request."""
         return self.settings.max_request_sequences or self.engine.engine.config.max_num_seqs
 
-    def model_name(self, requested: str | None) -> str:
-        """The served name to answer with; 404 for a model this server does not serve."""
+    def model_name(self, requested: str | None, adapters: bool = True) -> str:
+        """The served name to answer with (a LoRA adapter's name too, unless ``adapters`` is False);
+        404 for a model this server does not serve."""
         names = self.settings.served_model_names
         if not requested:
             return names[0]
-        if requested not in names:
-            raise APIError(404, f"the model {requested!r} does not exist; this server serves {names}", param="model")
-        return requested
+        if requested in names or (adapters and requested in self.loras):
+            return requested
+        served = names + self.loras if adapters else names
+        if requested in self.loras:
+            raise APIError(400, f"the model {requested!r} is a LoRA adapter: this route serves {names}", param="model")
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served}", param="model")
+
+    def lora_for(self, model: str) -> str | None:
+        """The LoRA adapter a request for served name ``model`` runs with (None: the base model)."""
+        return model if model in self.loras and model not in self.settings.served_model_names else None
 
     def max_tokens(self, requested: int | None) -> int | None:
         """``requested`` clamped to the server's ``max_output_tokens`` (the default when None)."""
@@ -205,11 +216,16 @@ def require_api_key(request: Request) -> None:
 
 
 async def engine_outputs(
-    st: ServerState, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams
+    st: ServerState,
+    request_id: str,
+    prompt: str | list[int],
+    params: SamplingParams | PoolingParams,
+    lora: str | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
-    """The engine's outputs for one request, observed by the metrics; closing it aborts the request."""
+    """The engine's outputs for one request (with LoRA adapter ``lora``), observed by the metrics;
+    closing it aborts the request."""
     tracker = st.metrics.tracker()
-    stream = st.engine.generate(request_id, prompt, params)
+    stream = st.engine.generate(request_id, prompt, params, lora)
     try:
         async for out in stream:
             tracker.observe(out)

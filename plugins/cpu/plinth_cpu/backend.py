@@ -18,6 +18,8 @@ from plinth.platform.backend import (
     DeviceServices,
     GemmKernels,
     GraphCapture,
+    LoRAKernels,
+    LoRASpec,
     MoECapabilities,
     MoEKernels,
     MoESpec,
@@ -29,6 +31,7 @@ from plinth.platform.backend import (
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
 from plinth_cpu.gemm import CpuGemm, NativeGemm
 from plinth_cpu.host_memory import huge_page_tensor
+from plinth_cpu.lora import CpuLoRA
 from plinth_cpu.moe import CpuMoE, MoEScratch
 from plinth_cpu.native import QUANT_FORMATS, NativeGraph, NativeKernels, native, native_loaded, native_status
 from plinth_cpu.ops import CpuOps, TorchOps
@@ -170,8 +173,8 @@ class CpuBackend(Backend):
     name = "cpu"
     version = __version__
     # 1.4: set_num_threads, read_probes, prefault, SmallOps.argmax; 1.8: fused MoE; 1.9: apply_token_bitmask;
-    # 1.10: communicator(groups=) (a shared-memory all-reduce on one host)
-    api_version = (1, 10)
+    # 1.10: communicator(groups=) (a shared-memory all-reduce on one host); 1.11: batched LoRA
+    api_version = (1, 11)
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:
@@ -266,6 +269,12 @@ class CpuBackend(Backend):
         :class:`NotSupported` for an undeclared ``spec``."""
         self._caps.require_moe(self.name, spec)
         return CpuMoE(spec, self.gemm_kernels(spec.dtype), self.small_ops(), self._moe_scratch)
+
+    def lora_kernels(self, spec: LoRASpec) -> LoRAKernels:
+        """:class:`CpuLoRA`: the step's tokens grouped by adapter once per step, one torch GEMM per
+        group; :class:`NotSupported` for a dtype the GEMM does not declare."""
+        self._caps.require_gemm(self.name, spec.dtype)
+        return CpuLoRA(spec)
 
     def small_ops(self) -> SmallOps:
         """RMSNorm, SiLU-and-mul, rotary and the sampler's argmax: :class:`CpuOps` (native for fp32)
