@@ -23,6 +23,7 @@ table in ``plugins/ipex/plinth_ipex/measured.json``, which decides what the prov
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -35,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from plinth.platform.backend import AttentionMetadata, AttentionSpec, GemmKernels, LinearWeight
-from plinth_cpu.backend import CpuBackend, cpu_model
 from plinth_ipex.attention import IpexAttention
 from plinth_ipex.choice import MEASURED_PATH, MIN_SPEEDUP, decide, op_key, speedup_of
 from plinth_ipex.gemm import VARIANTS, IpexGemm, cannot_pack
 from plinth_ipex.provider import isa_level
+
+from plinth.platform.backend import AttentionMetadata, AttentionSpec, GemmKernels, LinearWeight
+from plinth_cpu.backend import CpuBackend, cpu_model
 
 HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, INTERMEDIATE, VOCAB = 576, 9, 3, 64, 1536, 49152
 #: one decoder layer's products as (N, K): QKV, O, gate/up, down
@@ -102,17 +103,18 @@ def gemm_cases(dtype: torch.dtype, variant: str, own: GemmKernels, budget_s: flo
         theirs: list[LinearWeight] = [mine.prepare(w.to(dtype), None) for ws in weights for w in ws]
         xs = {k: torch.randn(m, k, generator=gen).to(dtype) for _, k in shapes}
 
-        def run(kernels: GemmKernels, prepared: list[LinearWeight]) -> None:
+        def run(kernels: GemmKernels, prepared: list[LinearWeight], xs: dict[int, torch.Tensor] = xs) -> None:
             for p in prepared:
                 kernels.linear(xs[p.in_features], p)
 
         with torch.inference_mode():
-            figures = side_by_side(lambda: run(mine, theirs), lambda: run(own, ours), budget_s)
+            figures = side_by_side(functools.partial(run, mine, theirs), functools.partial(run, own, ours), budget_s)
         for key in ("ipex_us", "cpu_us", "ipex_median_us", "cpu_median_us"):
             figures[key] = round(figures[key] / sets, 1)  # per layer (or per LM head)
         cases[name] = figures
+        ratio = figures["cpu_us"] / figures["ipex_us"]
         print(f"  gemm {str(dtype)[6:]:8} {variant:6} {name:11} ipex {figures['ipex_us']:9.1f} us  "
-              f"cpu {figures['cpu_us']:9.1f} us  {figures['cpu_us'] / figures['ipex_us']:5.2f}x", flush=True)  # fmt: skip
+              f"cpu {figures['cpu_us']:9.1f} us  {ratio:5.2f}x", flush=True)  # fmt: skip
     return cases
 
 

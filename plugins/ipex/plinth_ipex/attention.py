@@ -21,6 +21,9 @@ sees keys ``p - w + 1 .. p``) is IPEX's ``window_size`` ``w`` in its decode kern
 reference: either other value is off by up to 2.3 on a unit-variance batch). A soft cap is its
 ``softcap``. What IPEX cannot run (a soft cap together with a window: its kernels refuse that pair) is
 declared by :meth:`IpexAttention.covers`, so the core keeps the cpu backend's kernel for it.
+
+IPEX's ops are torch ops (``torch_ipex::*``): the core's step-graph capture sees them compute and
+discards the capture, so decode steps with IPEX's kernels run eagerly (never replayed without them).
 """
 
 from __future__ import annotations
@@ -72,8 +75,12 @@ class IpexAttention(AttentionKernels):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Store ``key``/``value`` [T, Hkv, D] (any strides) at ``slot_mapping`` [T]; slots < 0 are skipped."""
-        # IPEX's kernel indexes the rows densely
+        # IPEX's kernel indexes the rows densely, and writes a negative slot out of bounds (a
+        # segfault, found with a step graph's padding rows): padding tokens are dropped here
         k, v = key.contiguous(), value.contiguous()
+        if bool((slot_mapping < 0).any()):
+            keep = (slot_mapping >= 0).nonzero().squeeze(1)  # [T']
+            k, v, slot_mapping = k.index_select(0, keep), v.index_select(0, keep), slot_mapping.index_select(0, keep)
         self._paged.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(
@@ -87,6 +94,21 @@ class IpexAttention(AttentionKernels):
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, Hkv, block_size, D] each
         d, _, n = meta.distribution_host or (0, 0, len(meta.seq_lens_host))
         # a batch not in decode-first order is described as all general (d = 0): always correct
+        self._attend(out, query, key_cache, value_cache, meta, scale, d, n)
+        return out
+
+    def _attend(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        d: int,
+        n: int,
+    ) -> None:
+        """Sequences ``[0, d)`` (decodes) and ``[d, n)`` (the rest) into ``out``."""
         if d:
             self._paged.single_query_cached_kv_attention(
                 out[:d],
@@ -133,4 +155,3 @@ class IpexAttention(AttentionKernels):
                 1.0,
                 self.soft_cap,
             )
-        return out

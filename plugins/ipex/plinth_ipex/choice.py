@@ -82,7 +82,8 @@ def decide(key: str, table: Mapping[str, Any] | None, host_kind: str) -> OpChoic
     variant = str(entry.get("variant", ""))
     cases = ", ".join(f"{name} {c['cpu_us'] / c['ipex_us']:.2f}x" for name, c in entry["cases"].items())
     verdict = "chosen" if speedup >= MIN_SPEEDUP else f"not chosen (below {MIN_SPEEDUP}x)"
-    reason = f"{key}: IPEX {variant} measured {speedup:.2f}x the cpu backend's speed on {host_kind} ({cases}): {verdict}"
+    reason = f"{key}: IPEX {variant} measured {speedup:.2f}x the cpu backend's speed on {host_kind} ({cases})"
+    reason += f": {verdict}"
     return OpChoice(key, speedup >= MIN_SPEEDUP, variant, reason)
 
 

@@ -8,10 +8,10 @@ Test-only, as tests/plugins/metal/mlx_conformance_shim.py for the MLX provider."
 from __future__ import annotations
 
 import pytest
-from plinth_cpu.backend import CpuBackend
 from plinth_ipex.provider import IpexProvider
 
 from plinth.platform.backend import AttentionKernels, AttentionSpec, GemmKernels
+from plinth_cpu.backend import CpuBackend
 
 #: What the kernel factories handed out in this session, by class name (printed at the end).
 MADE: set[str] = set()

@@ -35,7 +35,8 @@ def test_a_slower_op_is_not_chosen_and_a_faster_one_is() -> None:
     assert "0.52x" in verdicts["gemm/float32"].reason and "not chosen" in verdicts["gemm/float32"].reason
     assert verdicts["attention/float32"].chosen and "1.64x" in verdicts["attention/float32"].reason
     # faster, but by less than the noise margin
-    assert not verdicts["attention/bfloat16"].chosen and f"below {MIN_SPEEDUP}x" in verdicts["attention/bfloat16"].reason
+    assert not verdicts["attention/bfloat16"].chosen
+    assert f"below {MIN_SPEEDUP}x" in verdicts["attention/bfloat16"].reason
     # never measured: not chosen, and the reason says how to measure it
     assert not verdicts["gemm/bfloat16"].chosen and "benchmarks/ipex.py" in verdicts["gemm/bfloat16"].reason
 

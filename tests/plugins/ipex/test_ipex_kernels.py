@@ -12,8 +12,6 @@ import torch
 
 pytest.importorskip("intel_extension_for_pytorch", reason="IPEX is installed only in the ipex lane (make test-ipex)")
 
-from plinth_cpu.attention import CPU_KV_LAYOUT  # noqa: E402
-from plinth_cpu.backend import CpuBackend  # noqa: E402
 from plinth_ipex import plugin  # noqa: E402
 from plinth_ipex.attention import IpexAttention  # noqa: E402
 from plinth_ipex.choice import OpChoice, choose  # noqa: E402
@@ -25,6 +23,8 @@ from plinth.platform.backend import AttentionMetadata, AttentionSpec, KVCacheLay
 from plinth.platform.kernels import resolve_kernels  # noqa: E402
 from plinth.platform.quant import quantize_q8_0  # noqa: E402
 from plinth.platform.reference import ReferenceAttention, ReferenceGemm  # noqa: E402
+from plinth_cpu.attention import CPU_KV_LAYOUT  # noqa: E402
+from plinth_cpu.backend import CpuBackend  # noqa: E402
 
 
 def check_attention(cases: list[tuple[int, int]], atol: float = 1e-5, **kw: Any) -> None:
