@@ -52,6 +52,7 @@ test: $(STAMP)
 # IPEX_LANE=build (default) builds it when missing; cached runs only where it is built; skip skips.
 # Its tests, then the conformance suite with every op IPEX covers routed through the provider.
 IPEX_LANE ?= build
+IPEX_NOTE := kernels: the cpu backend's, with every op IPEX covers routed through plinth-ipex (PLINTH_IPEX_OPS=all, tests/plugins/ipex/ipex_conformance_shim.py), torch 2.8 + IPEX 2.8
 
 test-ipex:
 	@if [ "$(IPEX_LANE)" = skip ]; then echo "*** ipex lane SKIPPED (IPEX_LANE=skip) ***"; exit 0; fi; \
@@ -62,6 +63,7 @@ test-ipex:
 	IPEX_VENV=$$(scripts/ipex-venv.sh) && \
 	$$IPEX_VENV/bin/python -m pytest -q -p no:cacheprovider tests/plugins/ipex && \
 	PYTHONPATH=tests/plugins/ipex PLINTH_IPEX_OPS=all $$IPEX_VENV/bin/python -m plinth.cli conformance --backend cpu \
+		--report out/conformance-cpu-ipex --note "$(IPEX_NOTE)" \
 		--pytest-arg=-p --pytest-arg=ipex_conformance_shim --pytest-arg=-s
 
 lint: $(STAMP)

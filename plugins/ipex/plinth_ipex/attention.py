@@ -19,7 +19,8 @@ A sliding window of ``w`` (plinth masks keys *further back than* ``w`` positions
 sees keys ``p - w + 1 .. p``) is IPEX's ``window_size`` ``w`` in its decode kernel but its
 ``window_size_left`` ``w - 1`` in the varlen one: the two kernels count differently (found against the
 reference: either other value is off by up to 2.3 on a unit-variance batch). A soft cap is its
-``softcap``. What IPEX cannot run (a soft cap together with a window: its kernels refuse that pair) is
+``softcap``. What IPEX cannot run (a soft cap together with a window: its kernels refuse that pair; a
+window of 1, which the varlen kernel's left window of 0 turns off: the conformance suite found it) is
 declared by :meth:`IpexAttention.covers`, so the core keeps the cpu backend's kernel for it.
 
 IPEX's ops are torch ops (``torch_ipex::*``): the core's step-graph capture sees them compute and
@@ -67,6 +68,8 @@ class IpexAttention(AttentionKernels):
             return f"KV cache dtype {spec.kv_cache_dtype} differs from the compute dtype {spec.dtype}"
         if spec.sliding_window is not None and spec.logits_soft_cap is not None:
             return "a sliding window with a logits soft cap (IPEX's kernels refuse the pair)"
+        if spec.sliding_window == 1:
+            return "a sliding window of 1 (IPEX's varlen kernel takes its left window of 0 as no window)"
         if spec.num_heads % spec.num_kv_heads:
             return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
         return None

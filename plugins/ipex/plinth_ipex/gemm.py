@@ -8,7 +8,7 @@ IPEX's three CPU GEMM kernels (a *variant*; ``benchmarks/ipex.py`` measures each
 * ``onednn``: oneDNN's prepacked inner product (``torch_ipex::ipex_linear``), its bf16 default and
   fp32 with ``auto_kernel_selection``;
 * ``tpp``: the libxsmm TPP blocked kernels ``ipex.llm.optimize`` uses for bf16 LLMs (weights
-  re-blocked ``[N/16, K/64, 64, 16]``-style; IPEX itself falls back to torch where N % 16 or K % 64).
+  re-blocked in 16 x 64 tiles; where N % 16 or K % 64 is not 0, IPEX packs that weight for MKL/oneDNN).
 
 Quantized (GGUF block) weights are not IPEX's: they go to the cpu backend's own GEMM, which keeps
 its native q4_1/q8_0 kernels (``prepare_quantized`` and ``linear`` of those formats delegate).
@@ -78,10 +78,9 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     else:
         model = ipex.optimize(model, dtype=dtype, auto_kernel_selection=variant == "onednn", **options)
     packed: torch.nn.Module = model[0]
-    kind = type(packed).__name__
-    if kind != "_IPEXLinear" or getattr(packed, "use_tpp", False) != (variant == "tpp"):
-        raise RuntimeError(f"IPEX packed a [{n}, {k}] {dtype} weight for {variant!r} as {kind} (tpp: "
-                           f"{getattr(packed, 'use_tpp', None)}, onednn: {getattr(packed, 'use_dnnl', None)})")
+    # TPP blocks only N % 16 == 0 and K % 64 == 0: IPEX packs other shapes for MKL/oneDNN itself
+    if type(packed).__name__ != "_IPEXLinear":
+        raise RuntimeError(f"IPEX left a [{n}, {k}] {dtype} weight unpacked for {variant!r} ({type(packed).__name__})")
     return packed
 
 

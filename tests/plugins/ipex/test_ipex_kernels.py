@@ -77,7 +77,8 @@ def test_what_ipex_cannot_run_is_declared() -> None:
     assert "soft cap" in (IpexAttention.covers(both) or "")
     assert "float16" in (IpexAttention.covers(AttentionSpec(8, 2, 64, 16, "float16", "float16")) or "")
     assert "differs" in (IpexAttention.covers(AttentionSpec(8, 2, 64, 16, "float32", "bfloat16")) or "")
-    assert IpexAttention.covers(AttentionSpec(9, 3, 64, 16)) is None
+    assert "window of 1" in (IpexAttention.covers(AttentionSpec(8, 2, 64, 16, sliding_window=1)) or "")
+    assert IpexAttention.covers(AttentionSpec(9, 3, 64, 16, sliding_window=2)) is None
 
 
 def test_write_kv_skips_padding_slots_and_reads_strided_values() -> None:
@@ -109,17 +110,18 @@ def test_write_then_attend_round_trip() -> None:
 
 @pytest.mark.parametrize("variant", ["mkl", "onednn", "tpp"])
 @pytest.mark.parametrize("m", [1, 7, 70])
-def test_gemm_fp32_matches_the_reference(variant: str, m: int) -> None:
+@pytest.mark.parametrize("n,k", [(96, 128), (513, 255)])  # the second is outside TPP's 16 x 64 tiles
+def test_gemm_fp32_matches_the_reference(variant: str, m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m)
-    w, b = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
-    x = torch.randn(m, 256, generator=gen)[:, ::2]  # strided, as a view into a fused projection
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(m, 2 * k, generator=gen)[:, ::2]  # strided, as a view into a fused projection
     ref = ReferenceGemm(torch.float32)
     want = ref.linear(x, ref.prepare(w, b))
     mine = IpexGemm(torch.float32, variant)
     prepared = mine.prepare(w, b)
     assert prepared.format == f"ipex_{variant}" and prepared.weight is None
     got = mine.linear(x, prepared)
-    assert got.dtype == torch.float32 and got.shape == (m, 96)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
