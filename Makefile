@@ -62,7 +62,7 @@ test-ipex:
 	fi; \
 	IPEX_VENV=$$(scripts/ipex-venv.sh) && \
 	$$IPEX_VENV/bin/python -m pytest -q -p no:cacheprovider tests/plugins/ipex && \
-	PYTHONPATH=tests/plugins/ipex PLINTH_IPEX_OPS=all $$IPEX_VENV/bin/python -m plinth.cli conformance --backend cpu \
+	PYTHONPATH=tests/plugins/ipex PLINTH_IPEX_OPS=all $$IPEX_VENV/bin/python -m plinth.cli conformance --backend cpu --tier all \
 		--report out/conformance-cpu-ipex --note "$(IPEX_NOTE)" \
 		--pytest-arg=-p --pytest-arg=ipex_conformance_shim --pytest-arg=-s
 
