@@ -77,6 +77,10 @@ def decide(key: str, table: Mapping[str, Any] | None, host_kind: str) -> OpChoic
         return OpChoice(key, False, "", f"{key}: not measured on {host_kind} hosts (run benchmarks/ipex.py)")
     entry = table.get("ops", {}).get(key)
     if entry is None:
+        unavailable = sorted({why for k, why in table.get("unavailable", {}).items() if k.startswith(key + "/")})
+        if unavailable:  # the benchmark found IPEX cannot run it on this host kind
+            why = "; ".join(unavailable)
+            return OpChoice(key, False, "", f"{key}: IPEX cannot run it on {host_kind} hosts ({why})")
         return OpChoice(key, False, "", f"{key}: not measured on {host_kind} hosts (run benchmarks/ipex.py)")
     speedup = speedup_of(entry)
     variant = str(entry.get("variant", ""))
