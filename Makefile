@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.plinth-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint test-ipex
 
 $(STAMP): pyproject.toml plugins/cpu/pyproject.toml plugins/cpu/plinth_cpu/csrc/kernels.c plugins/cpu/plinth_cpu/csrc/abi.h plugins/triton/pyproject.toml plugins/cuda/pyproject.toml plugins/rocm/pyproject.toml plugins/tpu/pyproject.toml plugins/metal/pyproject.toml plugins/gaudi/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,27 @@ test: $(STAMP)
 		$(AVX2_PATHS) $(PY) -m pytest -q -p no:cacheprovider tests/plugins/cpu && \
 		$(AVX2_PATHS) $(VENV)/bin/plinth conformance --backend cpu; \
 	fi
+	$(MAKE) test-ipex
+
+# The ipex lane: plugins/ipex (Intel's extension as a kernel provider for the cpu backend) in its own
+# venv, since IPEX 2.8 pins torch 2.8 (scripts/ipex-venv.sh: built once per requirement lines, then
+# reused; a fresh build measured 403 s on the dev VM, mostly the CUDA build of torch 2.8 downloading).
+# IPEX_LANE=build (default) builds it when missing; cached runs only where it is built; skip skips.
+# Its tests, then the conformance suite with every op IPEX covers routed through the provider.
+IPEX_LANE ?= build
+IPEX_NOTE := kernels: the cpu backend's, with every op IPEX covers routed through plinth-ipex (PLINTH_IPEX_OPS=all, tests/plugins/ipex/ipex_conformance_shim.py), torch 2.8 + IPEX 2.8
+
+test-ipex:
+	@if [ "$(IPEX_LANE)" = skip ]; then echo "*** ipex lane SKIPPED (IPEX_LANE=skip) ***"; exit 0; fi; \
+	if [ "$(IPEX_LANE)" = cached ] && ! scripts/ipex-venv.sh --check >/dev/null; then \
+		echo "*** ipex lane SKIPPED: IPEX_LANE=cached and its venv is not built (scripts/ipex-venv.sh builds it) ***"; \
+		exit 0; \
+	fi; \
+	IPEX_VENV=$$(scripts/ipex-venv.sh) && \
+	$$IPEX_VENV/bin/python -m pytest -q -p no:cacheprovider tests/plugins/ipex && \
+	PYTHONPATH=tests/plugins/ipex PLINTH_IPEX_OPS=all $$IPEX_VENV/bin/python -m plinth.cli conformance --backend cpu --tier all \
+		--report out/conformance-cpu-ipex --note "$(IPEX_NOTE)" \
+		--pytest-arg=-p --pytest-arg=ipex_conformance_shim --pytest-arg=-s
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check core plugins tests conformance
