@@ -40,14 +40,18 @@ def init_world(init_method: str, world_size: int, rank: int, timeout_s: float) -
     ``timeout_s`` seconds instead of waiting for a dead rank forever (the groups made after it too)."""
     global _timeout
     _timeout = datetime.timedelta(seconds=timeout_s)
+    # torch before 2.9 (the ipex lane's 2.8) has no ProcessGroup.set_timeout: there the start waits
+    # the collective timeout, as it did before
+    settable = hasattr(dist.ProcessGroup, "set_timeout")
     dist.init_process_group(
         HOST_COLLECTIVES,
         init_method=init_method,
         world_size=world_size,
         rank=rank,
-        timeout=datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S)),
+        timeout=datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S) if settable else timeout_s),
     )
-    dist.group.WORLD.set_timeout(_timeout)  # type: ignore[union-attr]  # the collectives' own timeout
+    if settable:
+        dist.group.WORLD.set_timeout(_timeout)  # type: ignore[union-attr]  # the collectives' own timeout
 
 
 def world_timeout_s() -> float | None:
