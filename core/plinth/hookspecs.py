@@ -117,6 +117,9 @@ API    adds / changes
        ``LoRABatch``; ``shrink``, ``expand`` per adapted projection over stacked adapter slots) for a
        ``LoRASpec``, from ``Backend.lora_kernels(spec)`` / ``KernelProvider.lora_kernels(spec)``
        (default: none supplied; the core runs ``ReferenceLoRA`` with a fallback warning)
+1.12   SPMD tensor parallelism: ``Capabilities.spmd`` (one process drives a device mesh; the
+       compiler inserts the collectives), ``SpmdPlan`` passed as
+       ``DeviceServices.compile_step(..., spmd=)`` (the weights' splits, the KV heads)
 =====  ===========================================================================================
 """
 
@@ -134,7 +137,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 11)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 12)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -162,6 +165,7 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 10): "TP x PP: DeviceServices.communicator(groups=), the world split into groups",
     (1, 11): "multi-LoRA: LoRASpec, Backend.lora_kernels and KernelProvider.lora_kernels -> LoRAKernels "
     "(prepare_batch -> LoRABatch, shrink, expand), ReferenceLoRA",
+    (1, 12): "SPMD tensor parallelism: Capabilities.spmd, SpmdPlan, DeviceServices.compile_step(spmd=)",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.
@@ -178,6 +182,7 @@ CONTRACT: tuple[str, ...] = (
     "plinth.platform.values.MoESpec",
     "plinth.platform.values.MoECapabilities",
     "plinth.platform.values.LoRASpec",
+    "plinth.platform.values.SpmdPlan",
     "plinth.platform.backend.Backend",
     "plinth.platform.backend.DeviceServices",
     "plinth.platform.backend.AttentionKernels",

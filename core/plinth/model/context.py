@@ -53,7 +53,9 @@ class ModelKernels:
     ``tp`` is this rank's tensor-parallel slice and collectives (None: one process holds the model);
     ``pp`` its pipeline stage (None: every layer here). ``moe`` maps an MoE layer's
     :class:`MoESpec` to its fused-MoE op (None: the reference op); ``moe_quant_formats`` are the
-    block formats that op takes its experts in (others are dequantized at load).
+    block formats that op takes its experts in (others are dequantized at load). ``shard_groups``
+    (SPMD tensor parallelism, :class:`~plinth.platform.values.SpmdPlan`): the fused q/k/v and
+    gate/up rows are loaded as that many contiguous groups, one per shard (1: the plain order).
     """
 
     gemm: GemmKernels
@@ -66,3 +68,4 @@ class ModelKernels:
     pp: PipelineStage | None = None
     moe: Callable[[MoESpec], MoEKernels] | None = None
     moe_quant_formats: frozenset[str] = frozenset()
+    shard_groups: int = 1

@@ -207,6 +207,8 @@ class Attention(nn.Module):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        #: SPMD: the fused rows (and so the output columns) are ``groups`` groups, shard r's q, k, v
+        self.groups = kernels.shard_groups
         self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, kernels)
         self.o_proj = Linear(self.q_size, hidden_size, out_bias, kernels, row_parallel=True)
         self.rotary = rotary
@@ -226,7 +228,12 @@ class Attention(nn.Module):
         lora = ctx.lora
         if lora is not None:  # each of q/k/v is a slice of the fused output
             self.qkv_lora.apply(qkv, hidden, lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.groups == 1:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:  # each group's q, k, v, then the groups' heads side by side: the plain head order
+            g = self.groups
+            parts = qkv.view(num_tokens, g, -1).split([self.q_size // g, self.kv_size // g, self.kv_size // g], dim=-1)
+            q, k, v = (p.reshape(num_tokens, -1) for p in parts)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # per head, over head_dim
@@ -271,6 +278,8 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported MLP activation {activation!r}; supported: 'silu', 'gelu_tanh'")
         self.silu = activation == "silu"
         self.ops = kernels.ops
+        #: SPMD: the fused rows are ``groups`` groups, shard r's gate rows then its up rows
+        self.groups = kernels.shard_groups
         # adapter slots (plinth.model.lora.attach_lora), used only in steps with adapter tokens
         self.gate_up_lora: LoRALayer = NO_LORA
         self.down_lora: LoRALayer = NO_LORA
@@ -280,7 +289,12 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
         if lora is not None:  # gate and up are slices of the fused output
             self.gate_up_lora.apply(gate_up, x, lora)
+        num_tokens = gate_up.shape[0]
+        if self.groups > 1:  # one row per group: each its own gate and up halves
+            gate_up = gate_up.reshape(num_tokens * self.groups, -1)
         act = self.ops.silu_and_mul(gate_up) if self.silu else self.ops.gelu_tanh_and_mul(gate_up)  # [T, I]
+        if self.groups > 1:
+            act = act.reshape(num_tokens, -1)
         if lora is None:
             return self.down_proj.forward(act)  # [T, hidden]
         out = self.down_proj.forward(act)

@@ -20,6 +20,7 @@ from torch import nn
 from plinth.model.config import ModelConfig
 from plinth.model.context import ForwardContext, ModelKernels
 from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE
+from plinth.parallel.sharding import shard_grouped_rows
 from plinth.platform.backend import AttentionKernels, AttentionSpec, dtype_name
 from plinth.platform.devices import HOST
 from plinth.platform.quant import QuantizedWeight, dequantize
@@ -399,16 +400,26 @@ class LlamaForCausalLM(nn.Module):
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in w else None
 
-        def fused(names: list[str]) -> torch.Tensor | QuantizedWeight:
+        groups = self.kernels.shard_groups
+
+        def fused(names: list[str], grouped: bool = False) -> torch.Tensor | QuantizedWeight:
             parts = [w.pop(n) for n in names]
+            order = shard_grouped_rows([p.shape[0] for p in parts], groups) if grouped else None
             if all(isinstance(p, QuantizedWeight) for p in parts):
                 quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
                 if len({p.format for p in quantized}) == 1:
-                    return QuantizedWeight.cat(quantized)
-            return torch.cat([dense(p) for p in parts], dim=0)  # mixed formats: fuse dense
+                    cat = QuantizedWeight.cat(quantized)
+                    return cat if order is None else cat.rows(order)
+            dense_cat = torch.cat([dense(p) for p in parts], dim=0)  # mixed formats: fuse dense
+            return dense_cat if order is None else dense_cat[order]
 
-        def fused_bias(names: list[str]) -> torch.Tensor | None:
-            return torch.cat([take(n) for n in names], dim=0) if names[0] in w else None
+        def fused_bias(names: list[str], grouped: bool = False) -> torch.Tensor | None:
+            if names[0] not in w:
+                return None
+            parts = [take(n) for n in names]
+            cat = torch.cat(parts, dim=0)
+            order = shard_grouped_rows([p.shape[0] for p in parts], groups) if grouped else None
+            return cat if order is None else cat[order]
 
         raw_embed = w.pop("model.embed_tokens.weight", None)  # None: a middle pipeline stage
         # Kept in its blocks: dequantizing a 49k x 576 table took 0.15 s of start-up and 113 MB
@@ -421,7 +432,9 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
-            layer.self_attn.qkv_proj.load(fused([n + ".weight" for n in qkv]), fused_bias([n + ".bias" for n in qkv]))
+            layer.self_attn.qkv_proj.load(
+                fused([n + ".weight" for n in qkv], True), fused_bias([n + ".bias" for n in qkv], True)
+            )
             layer.self_attn.o_proj.load(take_linear(a + "o_proj.weight"), maybe(a + "o_proj.bias"))
             attn = layer.self_attn
             if attn.q_norm is not None and attn.k_norm is not None:
@@ -433,7 +446,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 gate_up = [m + "gate_proj", m + "up_proj"]
                 layer.mlp.gate_up_proj.load(
-                    fused([n + ".weight" for n in gate_up]), fused_bias([n + ".bias" for n in gate_up])
+                    fused([n + ".weight" for n in gate_up], True), fused_bias([n + ".bias" for n in gate_up], True)
                 )
                 layer.mlp.down_proj.load(take_linear(m + "down_proj.weight"), maybe(m + "down_proj.bias"))
             layer.input_layernorm.load(take_norm(p + "input_layernorm.weight"))

@@ -190,6 +190,30 @@ def _kind(name: str) -> str:
     return "replicated"
 
 
+def shard_grouped_rows(sizes: list[int], groups: int) -> torch.Tensor | None:
+    """The row order that groups a fused weight by shard, for SPMD tensor parallelism.
+
+    A fused weight is its parts (q, k, v; gate, up) of ``sizes`` rows stacked. Grouped, it is
+    ``groups`` contiguous groups, group ``r`` holding the ``r``-th ``1/groups`` of every part in
+    part order, so an even split of the rows gives each device its own heads (its own slice of the
+    intermediate dim). None when ``groups`` is 1 (the plain order).
+
+    :raises ShardingError: a part whose rows do not divide into ``groups``.
+    """
+    if groups == 1:
+        return None
+    if any(n % groups for n in sizes):
+        raise ShardingError(f"fused parts of {sizes} rows do not split into {groups} groups")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    order = [
+        start + g * (n // groups) + j
+        for g in range(groups)
+        for start, n in zip(starts, sizes, strict=True)
+        for j in range(n // groups)
+    ]
+    return torch.tensor(order, dtype=torch.long)
+
+
 def shard_weights(weights: Iterator[tuple[str, Weight]], plan: ShardPlan) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's tensors, each cut to this rank's slice as it is read."""
     for name, tensor in weights:

@@ -32,6 +32,7 @@ from plinth.platform.values import (
     MoESpec,
     NotSupported,
     Probe,
+    SpmdPlan,
     StepBuckets,
     StepShape,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "NotSupported",
     "Probe",
     "SmallOps",
+    "SpmdPlan",
     "StepBuckets",
     "StepGraph",
     "StepInputs",
@@ -974,6 +976,7 @@ class DeviceServices:
         kv_caches: list[torch.Tensor],
         *,
         cache_dir: str | None = None,
+        spmd: SpmdPlan | None = None,
     ) -> CompiledStep | None:
         """Compile ``program`` into a :class:`CompiledStep` that takes over ``kv_caches`` (the
         engine's, from :meth:`Backend.allocate_kv_cache`); None (the default) where the backend does
@@ -984,7 +987,14 @@ class DeviceServices:
         compiled executables may be kept across processes (``EngineConfig.compile_cache_dir``);
         None: no disk cache.
 
+        ``spmd`` (only to a backend declaring ``Capabilities.spmd``, and only when the engine runs
+        ``tensor_parallel_size > 1``): place the weights and caches over a mesh of ``spmd.size``
+        devices as the plan says; the caches handed in are whole (every KV head). A backend that
+        cannot (too few devices) raises ``ValueError`` naming what it has.
+
         .. versionadded:: 1.5
+        .. versionchanged:: 1.12
+            ``spmd``
         """
         return None
 

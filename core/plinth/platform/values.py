@@ -262,6 +262,50 @@ class LoRASpec:
             raise ValueError(f"LoRASpec.max_rank must be in 1..{MAX_LORA_RANK}, got {self.max_rank}")
 
 
+#: How :class:`SpmdPlan` splits a weight over the mesh: by its output features (rows of an
+#: ``[out, in]`` weight, a bias's one dim, an embedding table's vocabulary rows) or its input features.
+SPMD_SPLITS: frozenset[str] = frozenset({"out", "in"})
+
+
+@dataclass(frozen=True, slots=True)
+class SpmdPlan:
+    """The core's tensor-parallel plan for a backend that declares ``Capabilities.spmd``.
+
+    One process holds the whole model; the backend places each step-program weight over a mesh of
+    :attr:`size` devices, split as :attr:`splits` says (Megatron's plan: the fused q/k/v and
+    gate/up projections and the LM head by output, ``o_proj`` and ``down_proj`` by input, the
+    embedding table by vocabulary row; every weight not named is replicated), and each layer's KV
+    cache by KV head (``size`` divides :attr:`num_kv_heads`: heads are never replicated here).
+    A split is a placement, never a change of meaning: the step's result is the same whatever the
+    backend places where (a dimension that does not divide may stay whole).
+
+    The fused q/k/v and gate/up weights come grouped by shard: their rows are ``size`` contiguous
+    groups, group ``r`` holding shard ``r``'s query heads, then its KV heads (its gate rows, then its
+    up rows), so an even split by output gives each device exactly its heads with no exchange.
+
+    :param size: devices in the mesh (the engine's ``tensor_parallel_size``).
+    :param splits: step-program weight name -> ``"out"`` or ``"in"`` (see :data:`SPMD_SPLITS`); a
+        name ending ``.data.<key>`` is a backend-prepared tensor, split along the same logical
+        dimension in the backend's own layout.
+    :param num_kv_heads: the model's KV heads per layer (the caches' split).
+
+    .. versionadded:: 1.12
+    """
+
+    size: int
+    splits: dict[str, str]
+    num_kv_heads: int
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"SpmdPlan.size {self.size}: a mesh of at least 2 devices")
+        bad = sorted(f"{name}: {how!r}" for name, how in self.splits.items() if how not in SPMD_SPLITS)
+        if bad:
+            raise ValueError(f"SpmdPlan.splits: {', '.join(bad[:3])}; choose one of {sorted(SPMD_SPLITS)}")
+        if self.num_kv_heads % self.size:
+            raise ValueError(f"SpmdPlan: {self.num_kv_heads} KV heads do not split over {self.size} devices")
+
+
 @dataclass(frozen=True, slots=True)
 class MoECapabilities:
     """What a backend's fused-MoE op covers (:attr:`Capabilities.fused_moe`).
@@ -353,6 +397,14 @@ class Capabilities:
     #:
     #: .. versionadded:: 1.8
     fused_moe: MoECapabilities | None = None
+    #: Tensor parallelism in one process: the backend's compiled steps run over a mesh of
+    #: ``tensor_parallel_size`` devices, the weights and KV caches placed by the
+    #: :class:`SpmdPlan` the core passes to ``DeviceServices.compile_step``, the collectives the
+    #: compiler's (as XLA's SPMD partitioner inserts them). The core then starts no worker
+    #: processes for tensor parallelism. Only a backend with static-shape steps may declare it.
+    #:
+    #: .. versionadded:: 1.12
+    spmd: bool = False
 
     def __post_init__(self) -> None:
         if self.block_placement not in BLOCK_PLACEMENTS:

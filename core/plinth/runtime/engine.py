@@ -7,6 +7,7 @@ built; the step loop only calls the scheduler, the runner and the detokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from plinth.parallel.executor import (
     default_threads,
     make_executor,
 )
+from plinth.parallel.spmd import spmd_plan
 from plinth.platform.backend import DeviceServices, StepBuckets, torch_dtype
 from plinth.platform.host import PluginHost, default_host
 from plinth.pooling_params import PoolingParams
@@ -32,7 +34,7 @@ from plinth.runtime.embeddings import EmbeddingRequests
 from plinth.runtime.graphs import DecodeGraphs
 from plinth.runtime.lora import LoRAAdapter, LoRAError, LoRAManager, build_lora
 from plinth.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, kv_blocks, load_parts, rank_memory
+from plinth.runtime.parts import InvalidRequest, allocate_kv_caches, kv_blocks, load_parts, rank_memory, uses_spmd
 from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.prompt_logprobs import merge
 from plinth.runtime.runner import ModelRunner
@@ -87,14 +89,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, host: PluginHost | None = None) -> None:
         self.config = config = config or EngineConfig()
+        host = host or default_host()
         world = config.world_size
+        #: tensor parallelism by this one process over the backend's device mesh (API 1.12), no workers
+        self.spmd = uses_spmd(config, host)
         #: the tensor- or pipeline-parallel workers (ranks 1..N-1), started first so they load alongside rank 0
         self.executor: Executor | None = None
-        if world > 1:
+        if world > 1 and not self.spmd:
             self.executor = make_executor(config, world)
             torch.set_num_threads(config.num_threads or default_threads(world))
         try:
-            self._start(config, host or default_host())
+            self._start(config, host)
         except BaseException:
             self.close()
             raise
@@ -114,8 +119,8 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, host: PluginHost) -> None:
         t0 = time.monotonic()
-        world = config.world_size
-        parts = load_parts(config, host, rank=0, world_size=world)
+        world = 1 if self.spmd else config.world_size  # processes
+        parts = load_parts(config, host, rank=0, world_size=world, spmd=self.spmd)
         self.backend_status = parts.status
         backend = self.backend = parts.backend
         services = parts.services
@@ -133,6 +138,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         specs = self.model.attention_specs()
         mine = rank_memory(parts, specs)
+        if self.spmd:  # a device of the mesh holds 1/N of every block (its KV heads)
+            mine = dataclasses.replace(mine, block_bytes=-(-mine.block_bytes // parts.spmd_size))
         ranks = self.executor.gather(mine) if self.executor is not None else [mine]
         num_blocks = self._num_blocks(ranks, block_size)
         fits = (num_blocks - 1) * block_size  # block 0 is the scheduler's null block
@@ -174,11 +181,15 @@ class LLMEngine:
             )
         if buckets is not None and world > 1:
             raise InvalidRequest(
-                f"backend {backend.name!r} compiles static-shape steps: tensor and pipeline parallelism "
-                "do not drive those yet"
+                f"backend {backend.name!r} compiles static-shape steps: worker processes do not drive those"
+                + (" (its tensor parallelism is SPMD: without pipeline parallelism)" if caps.spmd else "")
             )
+        if self.spmd and buckets is None:
+            raise InvalidRequest(f"backend {backend.name!r} declares Capabilities.spmd without static-shape steps")
         if buckets is not None:
-            self.static = self._static_steps(buckets, kv_caches, services, block_size, max_blocks_per_seq)
+            self.static = self._static_steps(
+                buckets, kv_caches, services, block_size, max_blocks_per_seq, spmd_size=parts.spmd_size
+            )
         elif not config.enforce_eager and world == 1:  # step graphs replay one process's kernels only
             graphs = DecodeGraphs(
                 self.model,
@@ -254,8 +265,11 @@ class LLMEngine:
         services: DeviceServices,
         block_size: int,
         max_blocks_per_seq: int,
+        *,
+        spmd_size: int = 1,
     ) -> StaticSteps:
-        """The padded, compiled path for a backend that declares ``buckets``; compiles every shape now."""
+        """The padded, compiled path for a backend that declares ``buckets``; compiles every shape now
+        (over a mesh of ``spmd_size`` devices when that is above 1)."""
         config = self.config
         # a step's flat list holds each of its sequences' blocks: at most max_num_seqs full tables
         max_flat = config.max_num_seqs * max_blocks_per_seq
@@ -280,8 +294,13 @@ class LLMEngine:
             )
         program = ModelStepProgram(self.model, block_size, self.model_config.vocab_size, self.model_config.hidden_size)
         cache_dir = compile_cache_dir(config)
+        spmd = None
+        if spmd_size > 1:
+            spmd = spmd_plan(self.model, program.weights, spmd_size, self.model_config.num_kv_heads)
+            if config.enforce_eager:
+                logger.warning("enforce_eager: the eager steps run on one device, not the %d-device mesh", spmd_size)
         static = StaticSteps(
-            buckets, program, kv_caches, services, block_size, cache_dir, compile=not config.enforce_eager
+            buckets, program, kv_caches, services, block_size, cache_dir, compile=not config.enforce_eager, spmd=spmd
         )
         lap = time.monotonic()
         static.warmup()

@@ -22,6 +22,7 @@ from plinth.model.loader import ModelSource, load_config, load_model, resolve_mo
 from plinth.parallel.layout import ParallelLayout
 from plinth.parallel.pipeline import PipelineError, PipelineStage, stage_layers
 from plinth.parallel.sharding import ShardingError, ShardPlan, TensorParallel
+from plinth.parallel.spmd import check_spmd
 from plinth.platform.backend import AttentionSpec, Backend, Capabilities, DeviceServices, torch_dtype
 from plinth.platform.host import BackendStatus, PluginHost
 from plinth.platform.kernels import KernelSet, resolve_kernels
@@ -116,6 +117,8 @@ class ModelParts:
     seconds: dict[str, float]
     #: this rank's pipeline stage (None without pipeline parallelism)
     stage: PipelineStage | None = None
+    #: devices an SPMD backend's mesh splits the model over (1: none; see :mod:`plinth.parallel.spmd`)
+    spmd_size: int = 1
 
 
 def _split(
@@ -167,10 +170,21 @@ def _split(
     return tp, pp
 
 
-def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_size: int = 1) -> ModelParts:
+def uses_spmd(config: EngineConfig, host: PluginHost) -> bool:
+    """True when ``config`` asks for tensor parallelism alone on a backend that declares
+    ``Capabilities.spmd``: one process drives the mesh, no workers are started."""
+    if config.tensor_parallel_size == 1 or config.pipeline_parallel_size > 1:
+        return False
+    return host.select(config.backend).backend.capabilities().spmd
+
+
+def load_parts(
+    config: EngineConfig, host: PluginHost, *, rank: int = 0, world_size: int = 1, spmd: bool = False
+) -> ModelParts:
     """Select the backend, resolve its kernels and load the model: all of it, or with
     ``world_size > 1`` rank ``rank``'s tensor-parallel shard of its pipeline stage (``torch.distributed``
-    already joined).
+    already joined). ``spmd`` (see :func:`uses_spmd`): all of it, its fused rows grouped for a mesh of
+    ``tensor_parallel_size`` devices.
 
     :raises InvalidRequest: a quantization the backend cannot run, or a model that does not split.
     """
@@ -201,6 +215,15 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
     tp = pp = None
     if world_size > 1:
         tp, pp = _split(config, services, caps, backend.name, load_config(source), rank, world_size)
+    spmd_size = 1
+    if spmd:
+        spmd_size = config.tensor_parallel_size
+        if not caps.spmd:
+            raise InvalidRequest(f"backend {backend.name!r} does not drive a device mesh (Capabilities.spmd)")
+        try:
+            check_spmd(load_config(source), spmd_size)
+        except ShardingError as e:
+            raise InvalidRequest(str(e)) from None
     # experts stay in their blocks where the fused-MoE op takes the format (and quantization allows)
     moe_formats: frozenset[str] = frozenset()
     if caps.fused_moe is not None and config.quantization != "none":
@@ -218,6 +241,7 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
             pp=pp,
             moe=kernels.moe,
             moe_quant_formats=moe_formats,
+            shard_groups=spmd_size,
         ),
         dtype=torch_dtype(dtype),
         block_size=block_size,
@@ -226,5 +250,18 @@ def load_parts(config: EngineConfig, host: PluginHost, *, rank: int = 0, world_s
     )
     seconds["weights"] = time.monotonic() - lap
     return ModelParts(
-        status, backend, services, caps, kernels, model, model_config, source, dtype, kv_dtype, block_size, seconds, pp
+        status,
+        backend,
+        services,
+        caps,
+        kernels,
+        model,
+        model_config,
+        source,
+        dtype,
+        kv_dtype,
+        block_size,
+        seconds,
+        pp,
+        spmd_size,
     )

@@ -34,6 +34,7 @@ from plinth.platform.backend import (
     DeviceServices,
     FlatBlocks,
     LinearWeight,
+    SpmdPlan,
     StepBuckets,
     StepInputs,
     StepProgram,
@@ -293,6 +294,7 @@ class StaticSteps:
     :param block_size: KV block size.
     :param cache_dir: where a compiled step may keep executables across processes.
     :param compile: False runs the padded steps eagerly (``--enforce-eager``), compiling nothing.
+    :param spmd: the mesh placement for a backend that declares ``Capabilities.spmd`` (API 1.12).
     """
 
     def __init__(
@@ -304,14 +306,17 @@ class StaticSteps:
         block_size: int,
         cache_dir: str | None = None,
         compile: bool = True,
+        spmd: SpmdPlan | None = None,
     ) -> None:
         self.buckets = buckets
         self.program = program
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.compiled: CompiledStep | None = (
-            services.compile_step(program, kv_caches, cache_dir=cache_dir) if compile else None
-        )
+        self.compiled: CompiledStep | None = None
+        if compile and spmd is not None:
+            self.compiled = services.compile_step(program, kv_caches, cache_dir=cache_dir, spmd=spmd)
+        elif compile:
+            self.compiled = services.compile_step(program, kv_caches, cache_dir=cache_dir)
         #: compilations the compiled step had made when warm-up ended (None before warm-up)
         self.compilations_at_warmup: int | None = None
         self.warmup_seconds = 0.0

@@ -89,3 +89,26 @@ def test_an_unaligned_quantized_split_is_dequantized_exactly(caplog: pytest.LogC
     parts = [p.shard("model.layers.0.self_attn.o_proj.weight", w) for p in plans]
     assert all(isinstance(x, torch.Tensor) for x in parts) and "dequantized" in caplog.text
     assert torch.equal(torch.cat(parts, 1), dequantize(w))  # type: ignore[arg-type]
+
+
+def test_fused_rows_grouped_by_shard_put_each_shards_parts_together() -> None:
+    from plinth.parallel.sharding import shard_grouped_rows
+
+    # q of 4 rows, k and v of 2 each, over 2 shards: shard 0 takes q0 q1 k0 v0, shard 1 q2 q3 k1 v1
+    order = shard_grouped_rows([4, 2, 2], 2)
+    assert order is not None and order.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert shard_grouped_rows([4, 2, 2], 1) is None
+    with pytest.raises(ShardingError, match=r"fused parts of \[4, 3\] rows do not split into 2 groups"):
+        shard_grouped_rows([4, 3], 2)
+
+
+def test_an_spmd_plan_refuses_a_split_it_does_not_know_and_kv_heads_that_do_not_divide() -> None:
+    from plinth.platform.values import SpmdPlan
+
+    assert SpmdPlan(2, {"a": "out", "b": "in"}, 4).size == 2
+    with pytest.raises(ValueError, match="'sideways'"):
+        SpmdPlan(2, {"a": "sideways"}, 4)
+    with pytest.raises(ValueError, match="3 KV heads do not split over 2 devices"):
+        SpmdPlan(2, {}, 3)
+    with pytest.raises(ValueError, match="at least 2 devices"):
+        SpmdPlan(1, {}, 4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,14 +10,26 @@ import torch
 from engine_helpers import host_with, save_tiny_folder
 
 from plinth.config import EngineConfig
-from plinth.platform.backend import AttentionMetadata, StepBuckets, StepInputs, StepShape
+from plinth.platform.backend import (
+    AttentionMetadata,
+    CompiledStep,
+    DeviceServices,
+    SpmdPlan,
+    StepBuckets,
+    StepInputs,
+    StepProgram,
+    StepShape,
+)
+from plinth.platform.devices import HOST
 from plinth.platform.reference import ReferenceBackend
 from plinth.platform.values import KVCacheLayout
 from plinth.runtime.engine import InvalidRequest, LLMEngine
+from plinth.runtime.outputs import RequestOutput
 from plinth.runtime.static import ModelStepProgram, decode_first, pad_inputs
 from plinth.sampling_params import SamplingParams
 from plinth.sched.output import ScheduledChunk
 from plinth.sched.request import SequenceId
+from plinth_conformance.tiny_models import assert_same_generations, prompts, save_tiny_model
 
 BLOCK = 4
 
@@ -250,3 +263,83 @@ def test_the_canonical_view_of_an_interleaved_packed_cache_writes_through() -> N
     c2 = torch.zeros(plain.shape(3, 4, 2, 6))
     canonical_kv_view(c2, plain, 2, 6)[1, 2, 3, 1, 5] = 7.0
     assert c2[2, 1, 3, 1, 5] == 7.0
+
+
+# -- SPMD tensor parallelism (API 1.12): one process, the model's fused rows grouped by shard ------
+
+
+class _RecordingServices(DeviceServices):
+    """Host services that keep the SPMD plan ``compile_step`` is handed and compile nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(HOST)
+        self.plans: list[SpmdPlan | None] = []
+
+    def compile_step(
+        self,
+        program: StepProgram,
+        kv_caches: list[torch.Tensor],
+        *,
+        cache_dir: str | None = None,
+        spmd: SpmdPlan | None = None,
+    ) -> CompiledStep | None:
+        self.plans.append(spmd)
+        return None  # the runner runs the program eagerly: the grouped rows must still mean the same
+
+
+class SpmdReference(StaticReference):
+    """A static-shape reference that declares ``Capabilities.spmd``: no workers, the plan recorded."""
+
+    name = "spmd-reference"
+    api_version = (1, 12)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._caps = dataclasses.replace(self._caps, spmd=True)
+        self._services = _RecordingServices()
+
+
+def _generate(engine: LLMEngine, batch: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    for i, p in enumerate(batch):
+        engine.add_request(f"g{i}", p, params)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    return [done[f"g{i}"] for i in range(len(batch))]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_spmd_grouped_rows_give_the_single_device_generations_and_the_plan_names_the_splits(
+    kind: str, tmp_path: Path
+) -> None:
+    if kind == "qwen3":  # q/k norms per head: grouped heads must still meet their own norm
+        save_tiny_folder(kind, tmp_path)
+    else:  # logits with real gaps (the conformance suite's tiny models), so logprobs tell rows apart
+        save_tiny_model(kind, tmp_path)
+    batch = prompts(0, (1, 9, 17, 30))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    want = _generate(_engine(tmp_path, ReferenceBackend(), max_num_batched_tokens=16), batch, params)
+    backend = SpmdReference()
+    engine = _engine(tmp_path, backend, max_num_batched_tokens=16, tensor_parallel_size=2)
+    assert engine.spmd and engine.executor is None  # one process: no workers for the mesh
+    assert engine.model.layers[0].self_attn.groups == 2 and engine.model.layers[0].mlp.groups == 2
+    assert_same_generations(_generate(engine, batch, params), want, 1e-4)  # float32 order of sums only
+    (plan,) = backend._services.plans
+    assert plan is not None and plan.size == 2 and plan.num_kv_heads == 2
+    splits = plan.splits
+    assert splits["layers.0.self_attn.qkv_proj.weight.weight"] == "out"
+    assert splits["layers.1.mlp.gate_up_proj.weight.weight"] == "out"
+    assert splits["layers.0.self_attn.o_proj.weight.weight"] == "in"
+    assert splits["layers.1.mlp.down_proj.weight.weight"] == "in"
+    assert splits["embed_tokens"] == "out"
+    assert "norm.weight" not in splits and "layers.0.input_layernorm.weight" not in splits
+    if kind == "qwen2":  # a column-parallel bias splits with its rows
+        assert splits["layers.0.self_attn.qkv_proj.weight.bias"] == "out"
+    if kind != "llama":  # untied: the LM head has its own weight
+        assert splits["lm_head.weight.weight"] == "out"
+    assert set(splits) <= set(engine.static.program.weights)  # type: ignore[union-attr]
+
+
+def test_spmd_refuses_a_model_whose_kv_heads_do_not_split_over_the_mesh(folder: Path) -> None:
+    with pytest.raises(InvalidRequest, match="num_key_value_heads 2 is not divisible by 4"):
+        _engine(folder, SpmdReference(), max_num_batched_tokens=16, tensor_parallel_size=4)
