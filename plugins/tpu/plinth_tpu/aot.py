@@ -4,7 +4,8 @@ libtpu (``pip install 'jax[tpu]==0.10.2'``) carries the whole TPU compiler, Mosa
 ``jax.experimental.topologies.get_topology_desc("v5e:2x2", "tpu")`` gives compile-only devices
 of that chip; arguments placed on one of them (``ShapeDtypeStruct(..., sharding=...)``) make
 ``jax.jit(f).lower(...).compile()`` a real TPU compile: tiling violations, VMEM overflows and
-unsupported Mosaic ops fail here exactly as on the chip. Nothing is executed.
+unsupported Mosaic ops fail here exactly as on the chip. Nothing is executed. The SPMD path (API
+1.12) is compiled the same way over meshes of the slice's chips (:func:`compile_spmd_layer`).
 
 :func:`compile_record` returns ``{target: {bucket: "compiled" | error text}}`` for the
 certificate. Run it with ``JAX_PLATFORMS=cpu`` (no TPU runtime is started for it).
@@ -68,11 +69,76 @@ DEFAULT_BUCKETS: tuple[AttentionBucket, ...] = (
 )
 
 
-def compile_only_device(topology: str) -> jax.Device:
-    """The first compile-only device of a TPU topology such as ``"v6e:2x2"``."""
+#: SPMD (plugin API 1.12): a layer's attention half compiled over meshes of these sizes (chips of
+#: the 2x2 slice), the heads splitting evenly over 4.
+SPMD_SIZES: tuple[int, ...] = (2, 4)
+SPMD_BUCKET = AttentionBucket(64, 16, 16, num_heads=8, num_kv_heads=4)
+
+
+def compile_only_devices(topology: str) -> list[jax.Device]:
+    """The compile-only devices of a TPU topology such as ``"v6e:2x2"``."""
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(topology, "tpu").devices[0]
+    return list(topologies.get_topology_desc(topology, "tpu").devices)
+
+
+def compile_only_device(topology: str) -> jax.Device:
+    """The first compile-only device of a TPU topology such as ``"v6e:2x2"``."""
+    return compile_only_devices(topology)[0]
+
+
+def compile_spmd_layer(bucket: AttentionBucket, devices: Sequence[jax.Device], size: int) -> dict[str, int]:
+    """Compile a layer's attention half as the SPMD path runs it, over a mesh of ``size`` chips:
+    the fused q/k/v GEMM split by output (rows grouped by shard), the Pallas attention per chip
+    under ``shard_map`` (Mosaic), ``o_proj`` split by input; returns the collectives XLA inserted.
+
+    :raises RuntimeError: the partitioner inserted no all-reduce after ``o_proj`` (the plan was lost).
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from plinth_tpu.spmd import AXIS, cache_sharding, collectives, make_mesh, per_device_attention, replicated
+
+    b = bucket
+    mesh = make_mesh(devices, size, interpret=False)
+    hidden = 512
+    q_size, kv_size = b.num_heads * b.head_size, b.num_kv_heads * b.head_size
+    attend = per_device_attention(ragged_paged_attention, mesh)
+    static = dict(scale=b.head_size**-0.5, block_size=b.block_size, sliding_window=None, soft_cap=None, interpret=False)
+
+    def layer(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, cache: jax.Array, *meta: jax.Array) -> tuple:
+        t = x.shape[0]
+        qkv = jnp.dot(x, w_qkv.T).reshape(t, size, -1)  # group r: shard r's q, k, v
+        q, k, v = jnp.split(qkv, [q_size // size, (q_size + kv_size) // size], axis=-1)
+        q = q.reshape(t, b.num_heads, b.head_size)
+        k = k.reshape(t, b.num_kv_heads, b.head_size)
+        v = v.reshape(t, b.num_kv_heads, b.head_size)
+        out, cache = attend(q, k, v, cache, *meta, **static)
+        return jnp.dot(out.reshape(t, q_size), w_o.T), cache
+
+    def at(shape: Sequence[int], dtype: DTypeLike, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+    whole = replicated(mesh)
+    cache_shape = kv_cache_shape(b.num_blocks, b.block_size, b.num_kv_heads, b.head_size, b.kv_dtype)
+    cache_at = cache_sharding(tuple(cache_shape), mesh)
+    i32 = jnp.int32
+    args = (
+        at((b.num_tokens, hidden), b.dtype, whole),
+        at((q_size + 2 * kv_size, hidden), b.dtype, NamedSharding(mesh, P(AXIS, None))),
+        at((hidden, q_size), b.dtype, NamedSharding(mesh, P(None, AXIS))),
+        at(cache_shape, b.kv_dtype, cache_at),
+        at((b.num_tokens,), i32, whole),
+        at((b.num_seqs, b.blocks_per_seq), i32, whole),
+        at((b.num_seqs,), i32, whole),
+        at((b.num_seqs + 1,), i32, whole),
+        at((3,), i32, whole),
+    )
+    jitted = jax.jit(layer, donate_argnums=(3,), out_shardings=(whole, cache_at))
+    found = collectives(jitted.lower(*args).compile().as_text() or "")
+    if not found["all-reduce"]:
+        raise RuntimeError(f"no all-reduce after the row-parallel o_proj over {size} chips: {found}")
+    return found
 
 
 def _struct(shape: Sequence[int], dtype: DTypeLike, device: jax.Device) -> jax.ShapeDtypeStruct:
@@ -134,8 +200,10 @@ def compile_record(
     buckets: Iterable[AttentionBucket] = DEFAULT_BUCKETS,
     *,
     timings: dict[str, dict[str, float]] | None = None,
+    spmd_sizes: Sequence[int] = SPMD_SIZES,
 ) -> dict[str, dict[str, str]]:
-    """``{target: {bucket label | "gemm": "compiled" | error text}}`` for every target and bucket.
+    """``{target: {bucket label | "gemm" | "spmd-tpN/label": "compiled" | error text}}`` for every
+    target and bucket, and the SPMD layer over each of ``spmd_sizes`` chips.
 
     A target whose topology cannot be made (no libtpu) records that error under ``"topology"``.
     ``timings``, when given, is filled with the seconds each compile took.
@@ -144,10 +212,11 @@ def compile_record(
     buckets = tuple(buckets)
     for target, topology in (targets or TARGETS).items():
         try:
-            device = compile_only_device(topology)
+            devices = compile_only_devices(topology)
         except Exception as exc:  # noqa: BLE001 - reported in the record, not swallowed
             record[target] = {"topology": f"{type(exc).__name__}: {exc}"}
             continue
+        device = devices[0]
         entries: dict[str, str] = {}
         times: dict[str, float] = {}
         for bucket in buckets:
@@ -155,6 +224,9 @@ def compile_record(
                 functools.partial(compile_attention, bucket, device)
             )
         entries["gemm"], times["gemm"] = _attempt(functools.partial(compile_gemms, device))
+        for size in spmd_sizes:
+            key = f"spmd-tp{size}/{SPMD_BUCKET.label()}"
+            entries[key], times[key] = _attempt(functools.partial(compile_spmd_layer, SPMD_BUCKET, devices, size))
         record[target] = entries
         if timings is not None:
             timings[target] = times

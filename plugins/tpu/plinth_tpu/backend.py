@@ -33,6 +33,7 @@ from plinth.platform.backend import (
     KVCacheLayout,
     Probe,
     SmallOps,
+    SpmdPlan,
     StepBuckets,
     StepProgram,
     torch_dtype,
@@ -105,12 +106,30 @@ class TpuServices(DeviceServices):
     def default_dtype(self) -> str:
         return "float32" if self.interpret else "bfloat16"
 
+    def jax_devices(self) -> list[Any]:
+        """Every jax device of the mode's platform (an SPMD mesh takes the first N)."""
+        return list(_jax().devices("cpu" if self.interpret else "tpu"))
+
     def compile_step(
-        self, program: StepProgram, kv_caches: list[torch.Tensor], *, cache_dir: str | None = None
+        self,
+        program: StepProgram,
+        kv_caches: list[torch.Tensor],
+        *,
+        cache_dir: str | None = None,
+        spmd: SpmdPlan | None = None,
     ) -> CompiledStep | None:
+        """The step jitted per shape on one device, or with ``spmd`` over a mesh of ``spmd.size``.
+
+        :raises ValueError: fewer devices than the plan's size (naming how many jax sees).
+        """
         from plinth_tpu.compiled import JaxCompiledStep
 
-        return JaxCompiledStep(program, kv_caches, self.jax_device(), cache_dir)
+        if spmd is None:
+            return JaxCompiledStep(program, kv_caches, self.jax_device(), cache_dir)
+        from plinth_tpu.spmd import make_mesh
+
+        mesh = make_mesh(self.jax_devices(), spmd.size, interpret=self.interpret)
+        return JaxCompiledStep(program, kv_caches, mesh.devices.flat[0], cache_dir, mesh=mesh, plan=spmd)
 
 
 class TpuBackend(Backend):
@@ -118,7 +137,7 @@ class TpuBackend(Backend):
 
     name = "tpu"
     version = __version__
-    api_version = (1, 5)
+    api_version = (1, 12)  # 1.5: static-shape steps; 1.12: SPMD tensor parallelism over a mesh
     description = "Google TPUs through JAX: Pallas ragged paged attention, XLA-compiled whole steps (static shapes)"
 
     def __init__(self) -> None:
@@ -158,6 +177,7 @@ class TpuBackend(Backend):
             features=frozenset({"sliding_window", "logits_soft_cap"}),
             quant_formats=frozenset({"q8_0"}),
             kv_cache_layout=TPU_KV_LAYOUT,
+            spmd=True,
         )
 
     def device_services(self) -> TpuServices:

@@ -21,10 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import torch
+from jax.sharding import Mesh
 
-from plinth.platform.backend import CompiledStep, StepInputs, StepProgram, StepShape
+from plinth.platform.backend import CompiledStep, SpmdPlan, StepInputs, StepProgram, StepShape
 from plinth_tpu.bridge import JaxTensor
 from plinth_tpu.interop import to_jax, to_torch
+from plinth_tpu.spmd import cache_sharding, collectives, replicated, tracing_on, weight_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class JaxCompiledStep(CompiledStep):
     :param kv_caches: the engine's caches (host tensors in the TPU layout); copied to the device once.
     :param device: the jax device.
     :param cache_dir: jax's persistent compilation cache goes under it; None: none.
+    :param mesh: SPMD (API 1.12): the devices the step runs on, ``device`` being the first; the
+        weights and caches are placed over it by ``plan`` (see :mod:`plinth_tpu.spmd`).
+    :param plan: the core's :class:`SpmdPlan`, with ``mesh``.
     """
 
     def __init__(
@@ -61,25 +66,46 @@ class JaxCompiledStep(CompiledStep):
         kv_caches: list[torch.Tensor],
         device: jax.Device,
         cache_dir: str | None,
+        *,
+        mesh: Mesh | None = None,
+        plan: SpmdPlan | None = None,
     ) -> None:
         self.program = program
         self.device = device
+        self.mesh = mesh
         self.disk_cache = enable_disk_cache(cache_dir) if cache_dir else None
         self.compilations = 0
         self.compile_seconds = 0.0
         self.trace_log: list[StepShape] = []  # the shapes traced, in order
-        self._weights = {name: jax.device_put(to_jax(t), device) for name, t in program.weights.items()}
-        # copies the device owns: a donated buffer must not be one torch still holds
-        self._caches = [jax.device_put(jnp.array(to_jax(c), copy=True), device) for c in kv_caches]
-        self._step = jax.jit(self._traced, static_argnums=(3,), donate_argnums=(1,))
-        self._copy = jax.jit(self._traced_copy, donate_argnums=(0,))
+        if mesh is None or plan is None:
+            self._weights = {name: jax.device_put(to_jax(t), device) for name, t in program.weights.items()}
+            # copies the device owns: a donated buffer must not be one torch still holds
+            self._caches = [jax.device_put(jnp.array(to_jax(c), copy=True), device) for c in kv_caches]
+            self._inputs_at: Any = device
+            self._step = jax.jit(self._traced, static_argnums=(3,), donate_argnums=(1,))
+            self._copy = jax.jit(self._traced_copy, donate_argnums=(0,))
+            return
+        self._weights = {
+            name: jax.device_put(to_jax(t), weight_sharding(name, tuple(t.shape), plan, mesh))
+            for name, t in program.weights.items()
+        }
+        cache_at = [cache_sharding(tuple(c.shape), mesh) for c in kv_caches]
+        self._caches = [
+            jax.device_put(jnp.array(to_jax(c), copy=True), at) for c, at in zip(kv_caches, cache_at, strict=True)
+        ]
+        self._inputs_at = replicated(mesh)
+        # the caches keep their placement step after step (a donated buffer is reused in place)
+        self._step = jax.jit(
+            self._traced, static_argnums=(3,), donate_argnums=(1,), out_shardings=(replicated(mesh), cache_at)
+        )
+        self._copy = jax.jit(self._traced_copy, donate_argnums=(0,), out_shardings=cache_at)
 
     def _traced(
         self, weights: dict[str, Any], caches: list[Any], inputs: dict[str, Any], shape: StepShape
     ) -> tuple[Any, list[Any]]:
         self.compilations += 1  # Python runs only while tracing: once per new shape
         self.trace_log.append(shape)
-        with torch.inference_mode():
+        with torch.inference_mode(), tracing_on(self.mesh):
             logits, new = self.program(
                 {k: JaxTensor(v) for k, v in weights.items()},
                 [JaxTensor(c) for c in caches],
@@ -93,7 +119,13 @@ class JaxCompiledStep(CompiledStep):
         return _copy_blocks(caches, src, dst)
 
     def _inputs(self, inputs: StepInputs) -> dict[str, Any]:
-        return {k: jax.device_put(to_jax(v), self.device) for k, v in inputs.tensors().items()}
+        return {k: jax.device_put(to_jax(v), self._inputs_at) for k, v in inputs.tensors().items()}
+
+    def collectives(self, inputs: StepInputs) -> dict[str, int]:
+        """The collectives XLA put in the step compiled for ``inputs``' shape, by kind (all zero on
+        one device; with a mesh, what the partitioner inserted)."""
+        lowered = self._step.lower(self._weights, self._caches, self._inputs(inputs), inputs.shape)
+        return collectives(lowered.compile().as_text() or "")
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         before = self.compilations

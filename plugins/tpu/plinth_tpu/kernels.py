@@ -29,6 +29,7 @@ from plinth.platform.quant import QUANT_BLOCKS, QuantizedWeight
 from plinth_tpu.bridge import is_traced, run_jax
 from plinth_tpu.ragged_attention import ragged_paged_attention
 from plinth_tpu.ragged_attention import write_kv as _write_kv
+from plinth_tpu.spmd import active_mesh, per_device_attention
 
 # -- attention -------------------------------------------------------------------------------------
 
@@ -104,9 +105,11 @@ class TpuAttention(AttentionKernels):
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One Pallas call writes the K/V and attends; returns the new cache (traced) or, eagerly,
-        the same cache tensor with the new cache's contents copied in."""
+        the same cache tensor with the new cache's contents copied in. Traced for a mesh (SPMD),
+        every device runs the call on its own heads and cache slice."""
+        mesh = active_mesh() if is_traced(kv_cache) else None
         out, cache = run_jax(
-            self.attention_fn,
+            self.attention_fn if mesh is None else per_device_attention(self.attention_fn, mesh),
             query,
             key,
             value,

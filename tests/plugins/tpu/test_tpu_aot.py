@@ -8,7 +8,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
-from plinth_tpu.aot import DEFAULT_BUCKETS, TARGETS, AttentionBucket, compile_only_device, compile_record
+from plinth_tpu.aot import (
+    DEFAULT_BUCKETS,
+    SPMD_BUCKET,
+    SPMD_SIZES,
+    TARGETS,
+    AttentionBucket,
+    compile_only_device,
+    compile_only_devices,
+    compile_record,
+    compile_spmd_layer,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,8 +34,22 @@ def test_v5e_and_v6e_compile_every_default_bucket() -> None:
     assert set(record) == {"v5e", "v6e"}
     for target, entries in record.items():
         assert entries["gemm"] == "compiled", (target, entries["gemm"])
-        compiled = [label for label, result in entries.items() if label != "gemm" and result == "compiled"]
+        compiled = [
+            label
+            for label, result in entries.items()
+            if label != "gemm" and not label.startswith("spmd-") and result == "compiled"
+        ]
         assert compiled == [b.label() for b in DEFAULT_BUCKETS], (target, entries)
+        for size in SPMD_SIZES:
+            assert entries[f"spmd-tp{size}/{SPMD_BUCKET.label()}"] == "compiled", (target, entries)
+
+
+@pytest.mark.parametrize("size", SPMD_SIZES)
+def test_the_spmd_layer_compiles_over_a_mesh_with_one_all_reduce_and_nothing_else(size: int) -> None:
+    """The grouped q/k/v rows and the per-chip attention leave the partitioner nothing to move but
+    o_proj's partial sums: a wrong grouping or a replicated kernel would add gathers or permutes."""
+    found = compile_spmd_layer(SPMD_BUCKET, compile_only_devices(TARGETS["v5e"]), size)
+    assert found == {"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0}
 
 
 def test_a_tiling_violation_is_caught_ahead_of_time() -> None:
