@@ -154,17 +154,28 @@ def _check(case: CollectiveCase, comm: Any, rank: int) -> str | None:
 
 def run_rank(backend: str, rank: int, init_method: str, out: Path, timeout_s: float) -> int:
     """One rank: every case in order; the results (case id -> error or None) to ``out``."""
-    from plinth.parallel.comm import close_world, init_world
+    from plinth.parallel.comm import all_gather_object, close_world, init_world
     from plinth.platform.host import default_host
 
     results: dict[str, str | None] = {}
     try:
         status = default_host().select(backend)
         caps = status.backend.capabilities()
+        cases = collective_cases(caps.dtypes)
         init_world(init_method, WORLD, rank, timeout_s)
+        # both ranks on this host: local rank = rank, a device each (plugin API 1.13); a host with
+        # one device cannot hold the tier: every case skipped, saying so, on both ranks
+        try:
+            status.backend.bind_local_rank(rank)
+            unbound = None
+        except ValueError as e:
+            unbound = f"rank {rank} has no device of its own ({e}): the tier needs {WORLD} devices"
+        why_not = next((w for w in all_gather_object(unbound) if w is not None), None)
+        if why_not is not None:
+            results.update({case.id: SKIPPED + why_not for case in cases})
+            return 0
         services = status.backend.device_services()
         comm = services.communicator(WORLD, rank, caps.communicator)
-        cases = collective_cases(caps.dtypes)
         for case in cases:
             if case.grouped:
                 break

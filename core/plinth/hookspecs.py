@@ -120,6 +120,9 @@ API    adds / changes
 1.12   SPMD tensor parallelism: ``Capabilities.spmd`` (one process drives a device mesh; the
        compiler inserts the collectives), ``SpmdPlan`` passed as
        ``DeviceServices.compile_step(..., spmd=)`` (the weights' splits, the KV heads)
+1.13   per-rank devices: ``Backend.bind_local_rank(local_rank)``, called first in every rank of a
+       parallel world (local rank: the rank's index among the ranks on its host), after which the
+       services drive ``device_for_rank(local_rank)`` (default: nothing, the one device)
 =====  ===========================================================================================
 """
 
@@ -137,7 +140,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 12)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 13)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -166,6 +169,7 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 11): "multi-LoRA: LoRASpec, Backend.lora_kernels and KernelProvider.lora_kernels -> LoRAKernels "
     "(prepare_batch -> LoRABatch, shrink, expand), ReferenceLoRA",
     (1, 12): "SPMD tensor parallelism: Capabilities.spmd, SpmdPlan, DeviceServices.compile_step(spmd=)",
+    (1, 13): "per-rank devices: Backend.bind_local_rank(local_rank), the services then drive device_for_rank",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

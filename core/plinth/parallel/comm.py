@@ -93,6 +93,19 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     return box
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank, over the CPU control group.
+
+    :raises CollectiveError: a rank is gone or the gather timed out.
+    """
+    box: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(box, obj)
+    except (RuntimeError, ValueError) as e:
+        raise CollectiveError(f"all-gather of the ranks' start-up facts failed: {e}") from e
+    return box
+
+
 class _Pending:
     """A ``torch.distributed`` isend (holding its buffer alive until it is done)."""
 

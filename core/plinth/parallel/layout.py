@@ -58,3 +58,14 @@ class ParallelLayout:
         stage's rank sends its hidden states to the next stage's rank of the same ``tp_rank``)."""
         tp = self.tensor_parallel_size
         return [[s * tp + t for s in range(self.pipeline_parallel_size)] for t in range(tp)]
+
+
+def local_ranks(hosts: list[str]) -> list[int]:
+    """Each rank's index among the ranks on its host, given every rank's host (in rank order): the
+    local rank a backend maps to a device (``Backend.bind_local_rank``)."""
+    seen: dict[str, int] = {}
+    out = []
+    for host in hosts:
+        out.append(seen.get(host, 0))
+        seen[host] = out[-1] + 1
+    return out

@@ -1102,6 +1102,20 @@ class Backend(ABC):
         """
         raise NotSupported(self.name, "LoRA", "the backend supplies no batched LoRA op")
 
+    def bind_local_rank(self, local_rank: int) -> None:
+        """Make this process drive the device of ``local_rank`` (its index among the ranks on this
+        host) before :meth:`device_services` is asked for anything: a rank of a tensor- or
+        pipeline-parallel world calls it first, once. Afterwards ``device_services().device`` must
+        be ``device_services().device_for_rank(local_rank)``; the core refuses the rank, naming both,
+        when it is not. The default does nothing (every rank drives the one device: the CPU); a GPU
+        backend selects GPU ``local_rank`` (``torch.cuda.set_device``) and makes its services for it.
+
+        :raises ValueError: there is no such device on this host (name how many there are).
+
+        .. versionadded:: 1.13
+        """
+        return None  # every rank drives the one device
+
     def step_buckets(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> StepBuckets | None:
         """The shapes to pad every step to, for an engine whose steps have at most ``max_tokens``
         query tokens, ``max_seqs`` sequences and ``max_blocks_per_seq`` blocks per sequence; None

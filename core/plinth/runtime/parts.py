@@ -19,7 +19,8 @@ from plinth.config import EngineConfig
 from plinth.model.config import ModelConfig
 from plinth.model.context import ModelKernels
 from plinth.model.loader import ModelSource, load_config, load_model, resolve_model
-from plinth.parallel.layout import ParallelLayout
+from plinth.parallel.comm import all_gather_object
+from plinth.parallel.layout import ParallelLayout, local_ranks
 from plinth.parallel.pipeline import PipelineError, PipelineStage, stage_layers
 from plinth.parallel.sharding import ShardingError, ShardPlan, TensorParallel
 from plinth.parallel.spmd import check_spmd
@@ -129,6 +130,7 @@ def _split(
     model_config: ModelConfig,
     rank: int,
     world_size: int,
+    local_rank: int,
 ) -> tuple[TensorParallel | None, PipelineStage | None]:
     """Rank ``rank``'s tensor-parallel slice and pipeline stage (each None where that size is 1), with
     the communicators they run on: one group of every rank when only one of the two splits, else
@@ -143,10 +145,11 @@ def _split(
             f"a world of {world_size} ranks for a {layout.pipeline_parallel_size} x "
             f"{layout.tensor_parallel_size} layout"
         )
-    device = services.device_for_rank(rank)
+    device = services.device_for_rank(local_rank)
     if device != services.device:
         raise InvalidRequest(
-            f"backend {backend_name!r} maps rank {rank} to {device}: per-rank devices are not wired in yet"
+            f"backend {backend_name!r} maps rank {rank} (local rank {local_rank}) to {device}, but its "
+            f"services drive {services.device} after bind_local_rank (plugin API 1.13)"
         )
     tp_size, pp_size = layout.tensor_parallel_size, layout.pipeline_parallel_size
     try:
@@ -170,6 +173,22 @@ def _split(
     return tp, pp
 
 
+def _bind_local_rank(backend: Backend, rank: int) -> int:
+    """Every rank's host, gathered (collective: every rank calls it at start-up), gives this rank's
+    local rank; the backend binds this process to that rank's device (plugin API 1.13).
+
+    :raises InvalidRequest: the backend has no device for it, naming the rank.
+    """
+    from plinth.parallel.executor import host_identity
+
+    local_rank = local_ranks(all_gather_object(host_identity()))[rank]
+    try:
+        backend.bind_local_rank(local_rank)
+    except ValueError as e:
+        raise InvalidRequest(f"rank {rank} (local rank {local_rank}) on backend {backend.name!r}: {e}") from None
+    return local_rank
+
+
 def uses_spmd(config: EngineConfig, host: PluginHost) -> bool:
     """True when ``config`` asks for tensor parallelism alone on a backend that declares
     ``Capabilities.spmd``: one process drives the mesh, no workers are started."""
@@ -191,6 +210,7 @@ def load_parts(
     t0 = time.monotonic()
     status = host.select(config.backend)
     backend = status.backend
+    local_rank = _bind_local_rank(backend, rank) if world_size > 1 else 0
     services = backend.device_services()
     if config.num_threads is not None:  # before any kernels are asked for, so they start with it
         services.set_num_threads(config.num_threads)
@@ -214,7 +234,7 @@ def load_parts(
     source = resolve_model(config.model)
     tp = pp = None
     if world_size > 1:
-        tp, pp = _split(config, services, caps, backend.name, load_config(source), rank, world_size)
+        tp, pp = _split(config, services, caps, backend.name, load_config(source), rank, world_size, local_rank)
     spmd_size = 1
     if spmd:
         spmd_size = config.tensor_parallel_size

@@ -66,6 +66,10 @@ class GpuServices(DeviceServices):
         """Wait for the device's queued kernels."""
         torch.cuda.synchronize(self.device)
 
+    def device_for_rank(self, local_rank: int) -> torch.device:
+        """GPU ``local_rank`` of this host: one GPU per rank."""
+        return torch.device("cuda", local_rank)
+
     def default_dtype(self) -> str:
         """bfloat16 where the GPU has it, else float16."""
         return self._default
@@ -82,9 +86,18 @@ class _Hardware:
     """Hardware mode: the vendor's probe, GPU services, the arch's launch target, CUDA graphs declared."""
 
     emulation = False
+    #: torch.distributed's backend for the GPUs' collectives: NCCL, and on torch's ROCm builds RCCL
+    #: under the same name
+    collectives: str | None = "nccl"
 
     def probe(self, backend: TritonBackend) -> Probe:
         return backend.probe_hardware()
+
+    def bind(self, backend: TritonBackend, local_rank: int) -> None:
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(f"local rank {local_rank} needs GPU {local_rank}; {backend.vendor} sees {count} GPU(s)")
+        torch.cuda.set_device(local_rank)
 
     def features(self) -> frozenset[str]:
         # Launches never read device memory on the host, so a step can be captured; the core has
@@ -104,6 +117,10 @@ class _Interpreter:
     """Interpreter mode: Triton's interpreter on CPU tensors, labelled emulation."""
 
     emulation = True
+    collectives: str | None = None  # host tensors: the host collectives (gloo)
+
+    def bind(self, backend: TritonBackend, local_rank: int) -> None:
+        return None  # every rank on the host's CPU
 
     def probe(self, backend: TritonBackend) -> Probe:
         status = runtime.triton_status()
@@ -138,10 +155,11 @@ class TritonBackend(Backend):
     mode it is in.
     """
 
-    api_version = (1, 8)  # 1.8: the fused-MoE op
+    api_version = (1, 13)  # 1.8: the fused-MoE op; 1.13: a GPU per rank (bind_local_rank)
     #: Human name of the platform, for reasons ("CUDA", "ROCm").
     vendor: ClassVar[str]
-    #: Collective library for tensor parallelism ("nccl", "rccl"); the core does not use it yet.
+    #: The vendor's collective library ("nccl", "rccl"), for reasons and docs; torch.distributed
+    #: reaches both as "nccl" (``Capabilities.communicator`` on hardware).
     communicator: ClassVar[str]
     #: Launch AMD-only options (``waves_per_eu``) from the config tables.
     amd: ClassVar[bool] = False
@@ -190,7 +208,18 @@ class TritonBackend(Backend):
             kv_cache_layout=KVCacheLayout(),
             # the grouped-GEMM fused MoE (kernels/moe.py): dense experts in every compute dtype
             fused_moe=MoECapabilities(dtypes=_DTYPES, activations=frozenset({"silu", "gelu_tanh"})),
+            communicator=self.mode().collectives,
         )
+
+    def bind_local_rank(self, local_rank: int) -> None:
+        """On hardware, GPU ``local_rank`` becomes this process's device (and its services' device);
+        in interpreter mode every rank stays on the CPU.
+
+        :raises ValueError: the host has no GPU ``local_rank``.
+        """
+        mode = self.mode()
+        mode.bind(self, local_rank)
+        self._services.pop(mode.emulation, None)  # made again, for the current device
 
     def device_services(self) -> DeviceServices:
         """GPU services on hardware, host services in interpreter mode (one object per mode)."""

@@ -112,3 +112,28 @@ def test_an_spmd_plan_refuses_a_split_it_does_not_know_and_kv_heads_that_do_not_
         SpmdPlan(2, {}, 3)
     with pytest.raises(ValueError, match="at least 2 devices"):
         SpmdPlan(1, {}, 4)
+
+
+def test_local_ranks_count_the_ranks_before_each_on_its_host() -> None:
+    from plinth.parallel.layout import local_ranks
+
+    assert local_ranks(["a", "a", "b", "a", "b"]) == [0, 1, 0, 2, 1]
+    assert local_ranks(["a"]) == [0]
+
+
+def test_a_rank_whose_services_drive_another_device_than_its_own_is_refused_naming_both() -> None:
+    """After ``bind_local_rank`` (API 1.13) the services must drive ``device_for_rank(local_rank)``."""
+    from plinth.config import EngineConfig
+    from plinth.platform.backend import DeviceServices
+    from plinth.platform.reference import ReferenceBackend
+    from plinth.runtime.parts import InvalidRequest, _split
+
+    class Unbound(DeviceServices):
+        def device_for_rank(self, local_rank: int) -> torch.device:
+            return torch.device("meta", local_rank)
+
+    backend = ReferenceBackend()
+    config = EngineConfig(tensor_parallel_size=2)
+    model = ModelConfig("LlamaForCausalLM", 64, 64, 128, 2, 4, 2, 16)
+    with pytest.raises(InvalidRequest, match=r"maps rank 1 \(local rank 1\) to meta:1, but its services drive cpu"):
+        _split(config, Unbound(torch.device("cpu")), backend.capabilities(), "fake", model, 1, 2, 1)

@@ -48,7 +48,7 @@ def test_entry_point_and_registration() -> None:
     assert "plinth-triton-kernels>=0.1" in pyproject["project"]["dependencies"]
     assert any(ep.name == "cuda" for ep in entry_points(group="plinth.backends"))
     (cuda,) = plugin.plinth_register_backends()
-    assert isinstance(cuda, CudaBackend) and cuda.communicator == "nccl" and cuda.api_version == (1, 8)
+    assert isinstance(cuda, CudaBackend) and cuda.communicator == "nccl" and cuda.api_version == (1, 13)
 
 
 def test_plugin_import_does_not_import_triton() -> None:
@@ -205,3 +205,34 @@ def test_perfcheck_runs_on_tiny_shapes(tmp_path: Path) -> None:
     assert "emulation: True" in report
     ok, message = perfcheck.e2e_check("cuda", max_tokens=4)
     assert ok, message
+
+
+@pytest.mark.usefixtures("hardware_mode")
+def test_each_rank_binds_its_own_gpu_and_the_collectives_are_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plugin API 1.13: local rank r drives GPU r (torch.cuda.set_device, services made for it); a
+    rank without a GPU is refused naming how many there are. Nothing is launched."""
+    _fake_gpu(monkeypatch)
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: current.__setitem__(0, int(i)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    cuda = CudaBackend()
+    assert cuda.device_services().device == torch.device("cuda", 0)
+    cuda.bind_local_rank(1)
+    services = cuda.device_services()
+    assert current == [1] and services.device == torch.device("cuda", 1)
+    assert services.device_for_rank(1) == services.device  # what the core checks after the bind
+    assert cuda.capabilities().communicator == "nccl"
+    with pytest.raises(ValueError, match=r"local rank 2 needs GPU 2; CUDA sees 2 GPU\(s\)"):
+        cuda.bind_local_rank(2)
+
+
+def test_in_the_interpreter_every_rank_stays_on_the_cpu_with_the_host_collectives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(runtime.INTERPRET_ENV, "1")
+    cuda = CudaBackend()
+    cuda.bind_local_rank(3)
+    services = cuda.device_services()
+    assert services.device == torch.device("cpu") and services.device_for_rank(3) == services.device
+    assert cuda.capabilities().communicator is None
