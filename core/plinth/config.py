@@ -154,10 +154,10 @@ class EngineConfig:
                 f"must not exceed ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max}), "
                 f"got {self.ngram_prompt_lookup_min}",
             )
-        if self.enable_lora and self.world_size > 1:
+        if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError(
-                f"{owner}: enable_lora with {self.world_size} ranks: LoRA adapters are served by single-process "
-                "engines only (tensor_parallel_size = pipeline_parallel_size = 1)"
+                f"{owner}: enable_lora with pipeline_parallel_size {self.pipeline_parallel_size}: LoRA adapters "
+                "are served without pipeline parallelism only (tensor parallelism splits them with the model)"
             )
         if self.num_speculative_tokens and self.world_size > 1:
             raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -72,11 +73,14 @@ class Linear(nn.Module):
             weight = dequantize(weight)
         self.weight = self.gemm.prepare(weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, K] -> [T, N]."""
+    def forward(self, x: torch.Tensor, before_reduce: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """``x`` [T, K] -> [T, N]. ``before_reduce`` adds to the product in place before a
+        row-parallel layer's all-reduce (a LoRA delta of this rank's input slice is a partial sum too)."""
         if self.weight is None:
             raise RuntimeError("Linear used before its weight was loaded")
         y = self.gemm.linear(x, self.weight)
+        if before_reduce is not None:
+            before_reduce(y)
         if self.reduce is None:
             return y
         y = self.reduce.all_reduce(y)
@@ -250,9 +254,7 @@ class Attention(nn.Module):
         out = out.reshape(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj.forward(out)
-        projected = self.o_proj.forward(out)  # [T, hidden]
-        self.o_lora.apply(projected, out, lora)
-        return projected
+        return self.o_proj.forward(out, lambda y: self.o_lora.apply(y, out, lora))  # [T, hidden]
 
 
 class GatedMLP(nn.Module):
@@ -297,9 +299,7 @@ class GatedMLP(nn.Module):
             act = act.reshape(num_tokens, -1)
         if lora is None:
             return self.down_proj.forward(act)  # [T, hidden]
-        out = self.down_proj.forward(act)
-        self.down_lora.apply(out, act, lora)
-        return out
+        return self.down_proj.forward(act, lambda y: self.down_lora.apply(y, act, lora))
 
 
 class SparseMoE(nn.Module):

@@ -298,10 +298,31 @@ def _holders(model: Any) -> dict[tuple[int, str], LoRALayer]:
     return {(i, name): holder for i, holder in lora_layers(model) for name in holder.names}
 
 
+#: Projections whose input dim tensor parallelism splits (row-parallel): their ``A`` is sliced by
+#: input columns; the others' ``B`` by output rows (as the base weights are).
+_ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+
+
+def shard_adapter_weights(plan: Any, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """A tensor-parallel rank's slice of one module's ``A`` [r, in] and ``B`` [out, r]: a
+    column-parallel module's ``B`` rows as its weight's rows (its heads, its KV heads, its slice of
+    the intermediate dim), a row-parallel one's ``A`` columns as its weight's input columns (its
+    delta is then a partial sum, all-reduced with the base product)."""
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    name = f"model.layers.{layer}.{block}.{module}.weight"
+    if module in _ROW_PARALLEL:
+        return plan.shard(name, a), b
+    return a, plan.shard(name, b)
+
+
 def write_adapter(model: Any, slot: int, adapter: PeftAdapter) -> None:
-    """Copy ``adapter`` into ``slot`` of every projection it adapts (the slot must be clear)."""
+    """Copy ``adapter`` into ``slot`` of every projection it adapts (the slot must be clear); under
+    tensor parallelism, this rank's slice of it (:func:`shard_adapter_weights`)."""
     holders = _holders(model)
+    tp = getattr(model.kernels, "tp", None)
     for (layer, module), (a, b) in adapter.weights.items():
+        if tp is not None:
+            a, b = shard_adapter_weights(tp.plan, layer, module, a, b)
         holder = holders[(layer, module)]
         dtype = holder.a.dtype
         # the scale folded into B in fp32, then cast: B @ A * scale as PEFT's merge computes it

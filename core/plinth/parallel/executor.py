@@ -293,6 +293,7 @@ def worker_loop(config: EngineConfig, rank: int, world_size: int, init_method: s
     load the shard or stage, then run each step rank 0 broadcasts until it sends ``None``."""
     import torch
 
+    from plinth.runtime.lora import LoRAEvict, LoRAPlace
     from plinth.runtime.worker import build_worker
 
     init_world(init_method, world_size, rank, config.distributed_timeout_s)
@@ -302,6 +303,11 @@ def worker_loop(config: EngineConfig, rank: int, world_size: int, init_method: s
         step = broadcast_object(None)
         if step is None:
             return
+        if isinstance(step, LoRAPlace | LoRAEvict):  # between two steps: an adapter decision of rank 0
+            if runner.lora is None:
+                raise RuntimeError(f"rank {rank}: a LoRA decision reached a worker without LoRA slots")
+            runner.lora.apply(step)
+            continue
         runner.execute(step)
 
 

@@ -230,7 +230,12 @@ class LLMEngine:
                 raise InvalidRequest(
                     f"backend {backend.name!r} compiles static-shape steps: LoRA adapters are not served there yet"
                 )
-            self.lora = build_lora(config, self.model, self.kernels.lora, dtype, services.device)
+            # under tensor parallelism every decision (load into a slot, free a slot) goes to the
+            # workers between two steps, as the steps do
+            announce = self.executor.broadcast if self.executor is not None else None
+            self.lora = build_lora(
+                config, self.model, self.kernels.lora, dtype, services.device, self.model_config, announce
+            )
             self.runner.lora = self.lora
         self._groups: dict[str, _Group] = {}
         #: grammars and matchers of the constrained requests (llguidance is loaded at the first one)

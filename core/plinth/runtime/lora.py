@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,21 +51,52 @@ class LoRAAdapter:
         return self.adapter.rank
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAPlace:
+    """Rank 0 to the tensor-parallel workers, between steps: load the adapter in folder ``path`` as
+    ``lora_id`` into ``slot`` (each rank its own slice of it)."""
+
+    name: str
+    path: str
+    lora_id: int
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAEvict:
+    """Rank 0 to the workers, between steps: adapter ``lora_id``'s slot is free (clear it)."""
+
+    lora_id: int
+
+
 class LoRAManager:
     """Loads, names and unloads adapters, and builds each step's LoRA batch.
 
+    Under tensor parallelism rank 0's manager decides (names, ids, slots, when a slot frees) and
+    ``announce`` sends each decision to the workers (:class:`LoRAPlace`, :class:`LoRAEvict`), whose
+    managers :meth:`apply` it to their own shards between the same two steps.
+
     :param model: the loaded model, with slots already attached (:func:`plinth.model.lora.attach_lora`).
     :param op: the batched LoRA op the slots use.
-    :param model_config: the model's shape (to check adapters against).
+    :param model_config: the whole model's shape (to check adapters against; a rank slices them).
     :param device: where the step's slot indices live.
+    :param announce: rank 0 of a tensor-parallel world: sends a decision to the workers.
     """
 
-    def __init__(self, model: Any, op: LoRAKernels, model_config: ModelConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: Any,
+        op: LoRAKernels,
+        model_config: ModelConfig,
+        device: torch.device,
+        announce: Callable[[LoRAPlace | LoRAEvict], None] | None = None,
+    ) -> None:
         self.model = model
         self.op = op
         self.spec = op.spec
         self.model_config = model_config
         self.device = device
+        self.announce = announce
         self._by_name: dict[str, LoRAAdapter] = {}
         self._by_id: dict[int, LoRAAdapter] = {}  # also the unloading ones, until their slot frees
         self._free_slots = list(range(self.spec.max_loras))
@@ -97,7 +128,28 @@ class LoRAManager:
         self._by_name[name] = loaded
         self._by_id[loaded.lora_id] = loaded
         logger.info("LoRA adapter %r loaded from %s into slot %d (rank %d)", name, path, slot, adapter.rank)
+        if self.announce is not None:
+            self.announce(LoRAPlace(name, str(path), loaded.lora_id, slot))
         return loaded
+
+    def apply(self, decision: LoRAPlace | LoRAEvict) -> None:
+        """A worker rank: carry out rank 0's decision on this rank's shard.
+
+        :raises LoRAError: the folder does not hold the adapter rank 0 read (not the same files on
+            this node): the rank cannot serve it, and fails.
+        """
+        if isinstance(decision, LoRAEvict):
+            loaded = self._by_id.pop(decision.lora_id)
+            clear_slot(self.model, loaded.slot, loaded.adapter)
+            return
+        try:
+            adapter = read_peft_adapter(decision.path, self.model_config, self.spec.max_rank)
+        except LoRAAdapterError as exc:
+            raise LoRAError(f"LoRA adapter {decision.name!r} at {decision.path}: {exc}", param="lora_path") from None
+        write_adapter(self.model, decision.slot, adapter)
+        self._by_id[decision.lora_id] = LoRAAdapter(
+            decision.name, decision.path, decision.lora_id, decision.slot, adapter
+        )
 
     def remove(self, name: str) -> None:
         """Unload adapter ``name``: at once if no request uses it, else when the last one ends.
@@ -118,6 +170,8 @@ class LoRAManager:
         self._by_id.pop(loaded.lora_id, None)
         self._free_slots.append(loaded.slot)
         self._free_slots.sort()
+        if self.announce is not None:
+            self.announce(LoRAEvict(loaded.lora_id))
 
     def names(self) -> list[str]:
         """The names of the loaded adapters (in load order)."""
@@ -160,13 +214,22 @@ class LoRAManager:
         return self.op.prepare_batch(slots, self.device)
 
 
-def build_lora(config: Any, model: Any, lora_kernels: Any, dtype: str, device: torch.device) -> LoRAManager:
-    """Attach adapter slots to ``model`` for ``config`` (``max_loras``, ``max_lora_rank``) and return
-    their manager; ``lora_kernels`` is the kernel set's factory (``KernelSet.lora``)."""
+def build_lora(
+    config: Any,
+    model: Any,
+    lora_kernels: Any,
+    dtype: str,
+    device: torch.device,
+    model_config: ModelConfig,
+    announce: Callable[[LoRAPlace | LoRAEvict], None] | None = None,
+) -> LoRAManager:
+    """Attach adapter slots to ``model`` (this rank's shard: its slots are its slices' shapes) for
+    ``config`` (``max_loras``, ``max_lora_rank``) and return their manager; ``lora_kernels`` is the
+    kernel set's factory (``KernelSet.lora``), ``model_config`` the whole model's shape."""
     from plinth.model.lora import attach_lora
     from plinth.platform.values import LoRASpec
 
     spec = LoRASpec(max_loras=config.max_loras, max_rank=config.max_lora_rank, dtype=dtype)
     op = lora_kernels(spec)
     attach_lora(model, op, spec)
-    return LoRAManager(model, op, model.config, device)
+    return LoRAManager(model, op, model_config, device, announce)

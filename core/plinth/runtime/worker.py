@@ -11,6 +11,7 @@ from plinth.config import EngineConfig
 from plinth.parallel.comm import broadcast_object, gather_object
 from plinth.parallel.executor import WorkerSetup
 from plinth.platform.host import default_host
+from plinth.runtime.lora import build_lora
 from plinth.runtime.parts import allocate_kv_caches, load_parts, rank_memory
 from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
@@ -38,4 +39,9 @@ def build_worker(config: EngineConfig, rank: int, world_size: int) -> ModelRunne
         return PipelineRunner(
             parts.model, kv_caches, attention, parts.services, parts.block_size, parts.stage, sample=False
         )
-    return ModelRunner(parts.model, kv_caches, attention, parts.services, parts.block_size, sample=False)
+    runner = ModelRunner(parts.model, kv_caches, attention, parts.services, parts.block_size, sample=False)
+    if config.enable_lora:  # slots for this rank's slices; rank 0's decisions fill them (LoRAManager.apply)
+        runner.lora = build_lora(
+            config, parts.model, parts.kernels.lora, parts.dtype, parts.services.device, parts.model_config
+        )
+    return runner

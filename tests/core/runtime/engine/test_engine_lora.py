@@ -198,12 +198,44 @@ def test_adapter_operations_refuse_with_clear_errors(tiny: dict[str, Any], tmp_p
         llm.generate(["a", "b"], GREEDY, lora=["a1"])
 
 
-def test_config_refuses_lora_with_several_ranks_and_ranks_above_64() -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4-kv-replicated"])
+def test_tensor_parallel_ranks_serve_their_slices_of_each_adapter(tiny_kind: dict[str, Any], tp: int) -> None:
+    """Each rank holds its slice of every adapter (B by output rows where the base weight is split by
+    rows, A by input columns where by columns, whose delta joins the all-reduce); adapters loaded
+    and freed after the start reach the workers between two steps. 4 heads, 2 KV heads: TP=4 shares
+    each KV head between two ranks, and the k/v adapters' rows with it."""
+    tiny = tiny_kind
+    llm = _llm(tiny, "cpu", tensor_parallel_size=tp)
+    try:
+        assert llm.engine.executor is not None and len(llm.engine.executor.workers) == tp - 1
+        prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+        for name in (None, "a1", "a2"):
+            hf = tiny["hf"][name]
+            for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, lora=name), strict=True):
+                tokens = out.outputs[0].token_ids
+                assert tokens == hf_greedy(hf, prompt, NEW_TOKENS), (name, prompt)
+                ours = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs or []])
+                torch.testing.assert_close(ours, _hf_logprobs(hf, prompt, tokens), atol=LOGPROB_ATOL, rtol=0)
+        llm.remove_lora("a2")  # its slot cleared on every rank
+        llm.add_lora("a3", str(tiny["a1"]))  # into a2's slot, on every rank, after the start
+        mixed = llm.generate(prompts, GREEDY, lora=["a3", None, "a1"])
+        assert [o.outputs[0].token_ids for o in mixed] == [
+            hf_greedy(tiny["hf"]["a1"], prompts[0], NEW_TOKENS),
+            hf_greedy(tiny["hf"][None], prompts[1], NEW_TOKENS),
+            hf_greedy(tiny["hf"]["a1"], prompts[2], NEW_TOKENS),
+        ]
+    finally:
+        llm.engine.close()
+
+
+def test_config_refuses_lora_with_pipeline_stages_and_ranks_above_64() -> None:
     from plinth.config import EngineConfig
     from plinth.validation import InvalidParameter
 
-    with pytest.raises(ValueError, match="enable_lora with 2 ranks"):
-        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+    assert EngineConfig(enable_lora=True, tensor_parallel_size=2).enable_lora  # split with the model
+    with pytest.raises(ValueError, match="enable_lora with pipeline_parallel_size 2"):
+        EngineConfig(enable_lora=True, pipeline_parallel_size=2)
     with pytest.raises(InvalidParameter, match="max_lora_rank"):
         EngineConfig(enable_lora=True, max_lora_rank=128)
     with pytest.raises(InvalidParameter, match="max_loras"):
