@@ -330,12 +330,16 @@ class AsyncEngine:
         self.restarting = True
         self.num_restarts += 1
         logger.error("restarting the engine (%d of %d) after: %s", self.num_restarts, self.max_restarts, cause)
+        # the adapters loaded when it failed, --lora's and those loaded at run time (in load order)
+        lora = self.engine.lora
+        adapters = [(name, adapter.path) for name in lora.names() if (adapter := lora.get(name))] if lora else []
         try:
             try:
                 self.engine.close()  # its workers: the dead one reaped, the others stopped
             except Exception:  # noqa: BLE001 - a broken engine may fail to close; the rebuild decides
                 logger.exception("closing the failed engine raised")
             self.engine = self.rebuild()
+            self._reload_adapters(adapters)
         except Exception:  # noqa: BLE001 - the restart failed: the original failure stays the cause
             logger.exception("the engine restart failed")
             return False
@@ -344,6 +348,19 @@ class AsyncEngine:
         logger.error("the engine restarted (%d of %d)", self.num_restarts, self.max_restarts)
         self._snapshot()
         return True
+
+    def _reload_adapters(self, adapters: list[tuple[str, str]]) -> None:
+        """Load into the rebuilt engine the adapters the failed one had that it has not (the rebuild
+        loads ``--lora``'s; those loaded at run time come back here). One that no longer loads is
+        logged and left out: the server serves the rest."""
+        loaded = set(self.engine.list_loras())
+        for name, path in adapters:
+            if name in loaded:
+                continue
+            try:
+                self.engine.add_lora(name, path)
+            except Exception as e:  # noqa: BLE001 - one adapter's folder may be gone; the others still serve
+                logger.error("after the restart, LoRA adapter %r (%s) did not load again: %s", name, path, e)
 
     def _apply_commands(self, block: bool, items: list[tuple[str, _Item]]) -> bool:
         """Apply every queued command (waiting for one when ``block``); True when asked to stop."""

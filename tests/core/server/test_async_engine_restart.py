@@ -126,3 +126,45 @@ def test_a_failed_rebuild_or_one_failure_too_many_is_fatal(tiny: Path, how: str)
 def test_restarts_need_a_rebuild() -> None:
     with pytest.raises(ValueError, match="max_restarts"):
         AsyncEngine(None, max_restarts=1)  # type: ignore[arg-type]
+
+
+def test_a_rebuilt_engine_loads_again_the_adapters_loaded_at_run_time(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rebuild loads the command line's adapters; those loaded after the start come back too (in
+    load order), and one whose folder is gone is logged and left out while the rest serve."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "engine"))
+    from engine_helpers import save_tiny_folder
+    from lora_helpers import save_peft_adapter
+
+    root = tmp_path_factory.mktemp("restart-lora")
+    hf = save_tiny_folder("llama", root / "base")
+    for name, seed in (("early", 1), ("late", 2), ("gone", 3)):
+        save_peft_adapter(hf, root / name, r=4, seed=seed)
+
+    def build() -> LLMEngine:
+        llm = LLM(model=str(root / "base"), backend="cpu", num_kv_blocks=32, max_model_len=128, max_loras=3,
+                  lora={"early": str(root / "early")})  # fmt: skip
+        return llm.engine
+
+    async def main() -> list[str]:
+        engine = build()
+        engine.add_lora("late", str(root / "late"))
+        engine.add_lora("gone", str(root / "gone"))
+        shutil.rmtree(root / "gone")
+        aengine = AsyncEngine(_dying(engine), rebuild=build, max_restarts=1)
+        await aengine.start()
+        try:
+            await asyncio.gather(_tokens(aengine, "a"), return_exceptions=True)
+            while aengine.stats.num_restarts_total == 0 or aengine.restarting:
+                await asyncio.sleep(0.01)
+            return aengine.engine.list_loras()
+        finally:
+            await aengine.shutdown()
+
+    with caplog.at_level("ERROR"):
+        assert asyncio.run(main()) == ["early", "late"]
+    assert "LoRA adapter 'gone'" in caplog.text and "did not load again" in caplog.text
