@@ -405,11 +405,10 @@ class LLMEngine:
         )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequest(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        if params.prompt_logprobs is not None and (self.static is not None or isinstance(self.runner, PipelineRunner)):
-            # the static path returns one logits row per sequence; a pipeline's last stage sends only those
+        if params.prompt_logprobs is not None and self.static is not None:
+            # the static path returns one logits row per sequence
             raise InvalidRequest(
-                "prompt_logprobs need an eager or step-graph runner: not with static-shape steps or "
-                "pipeline parallelism yet",
+                "prompt_logprobs need an eager or step-graph runner: not with static-shape steps yet",
                 param="prompt_logprobs",
             )
         lora_id = self.lora.acquire(lora) if lora is not None and self.lora is not None else 0

@@ -5,7 +5,8 @@ micro-batches (contiguous groups of the decode-first ordered sequences). For eac
 stage receives the previous stage's ``[T, 2 * hidden]`` (stage 0 embeds the tokens instead), runs its
 layers and sends the result on without waiting for it to arrive, then starts the next micro-batch:
 stage ``s`` works on micro-batch ``m`` while stage ``s + 1`` works on ``m - 1``. The last stage sends
-the logits of each micro-batch's sampling rows to rank 0, which samples once it has them all.
+the logits of each micro-batch's sampling rows to rank 0, which samples once it has them all, and
+the prompt logprobs of its chunks that ask for them (scored there, sent packed).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from plinth.model.context import ForwardContext
 from plinth.parallel.pipeline import PipelineStage
 from plinth.platform.backend import AttentionKernels, DeviceServices, PendingSend
+from plinth.runtime.prompt_logprobs import pack_scores, score_buffer, unpack_scores
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
 from plinth.runtime.static import decode_first
@@ -100,6 +102,11 @@ class PipelineRunner(ModelRunner):
                 logits_rows = model.compute_logits(hidden.index_select(0, idx)).float()
                 if stage.trades_logits:
                     pending.append(comm.send(logits_rows, 0))
+            scoring = [i for i, s in enumerate(group) if s.prompt_targets is not None]
+            if scoring:  # prompt logprobs: scored here, sent to rank 0 packed (a row per prompt token)
+                self.prompt_scorer.score(model.compute_logits, hidden, group, scoring, keep=stage.trades_logits)
+                if stage.trades_logits:
+                    pending.append(comm.send(pack_scores(self.prompt_scorer.take(), group).to(self.device), 0))
         logits: list[torch.Tensor] = []
         if stage.first and stage.trades_logits:  # rank 0: each micro-batch's logits from the last stage, in order
             tp = model.kernels.tp  # the gathered logits are the whole vocabulary, not this rank's slice
@@ -109,6 +116,10 @@ class PipelineRunner(ModelRunner):
                 if n:
                     buf = torch.empty(n, vocab, dtype=torch.float32, device=self.device)
                     logits.append(comm.recv(buf, stage.num_stages - 1))
+                scores = score_buffer(group)
+                if scores is not None:  # then its prompt logprobs, if it scored any
+                    packed = comm.recv(scores.to(self.device), stage.num_stages - 1)
+                    self.prompt_scorer.put(unpack_scores(packed.cpu(), group))
         for p in pending:
             p.wait()
         sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]

@@ -79,6 +79,10 @@ class PromptScorer:
             self._done[chunk.seq_id] = ScoredRows(chunk.start_position + 1, scored[at : at + n])
             at += n
 
+    def put(self, scores: dict[SequenceId, ScoredRows]) -> None:
+        """Hold scores made elsewhere (a pipeline's last stage) until the engine takes them."""
+        self._done.update(scores)
+
     def take(self) -> dict[SequenceId, ScoredRows]:
         """The scores of the chunks run since the last call, by sequence id."""
         done, self._done = self._done, {}
@@ -101,6 +105,57 @@ def _logprobs(logits: torch.Tensor, targets: list[int], tops: list[int], top: in
         values, ids = logprobs.topk(top, dim=-1)  # [R, top]
         for entry, k, id_row, value_row in zip(out, tops, ids.tolist(), values.tolist(), strict=True):
             entry.top = list(zip(id_row[:k], value_row[:k], strict=True))
+    return out
+
+
+def _shape(chunks: Sequence[ScheduledChunk[Any]]) -> tuple[int, int]:
+    """(rows, alternatives per row) of the packed scores of ``chunks`` (each naming its targets)."""
+    targets = [c.prompt_targets for c in chunks if c.prompt_targets is not None]
+    return sum(len(t.token_ids) for t in targets), max((t.top for t in targets), default=0)
+
+
+def pack_scores(done: dict[SequenceId, ScoredRows], chunks: Sequence[ScheduledChunk[Any]]) -> torch.Tensor:
+    """The scores of ``chunks`` (those naming prompt targets, in order) as one float32 tensor a
+    pipeline's last stage sends to rank 0: a row per scored token, ``[logprob, rank, top ids...,
+    top logprobs...]`` (ids below 2**24 are exact in float32)."""
+    rows, top = _shape(chunks)
+    out = torch.zeros(rows, 2 + 2 * top, dtype=torch.float32)
+    at = 0
+    for chunk in chunks:
+        if chunk.prompt_targets is None:
+            continue
+        for entry in done[chunk.seq_id].logprobs:
+            out[at, 0], out[at, 1] = entry.logprob, float(entry.rank or 0)
+            k = len(entry.top)
+            if k:
+                out[at, 2 : 2 + k] = torch.tensor([float(t) for t, _ in entry.top])
+                out[at, 2 + top : 2 + top + k] = torch.tensor([v for _, v in entry.top])
+            at += 1
+    return out
+
+
+def score_buffer(chunks: Sequence[ScheduledChunk[Any]]) -> torch.Tensor | None:
+    """Rank 0's buffer for the packed scores of ``chunks`` (None when none names prompt targets)."""
+    rows, top = _shape(chunks)
+    return torch.empty(rows, 2 + 2 * top, dtype=torch.float32) if rows else None
+
+
+def unpack_scores(packed: torch.Tensor, chunks: Sequence[ScheduledChunk[Any]]) -> dict[SequenceId, ScoredRows]:
+    """:func:`pack_scores` undone on rank 0: each scoring chunk's rows, by sequence id."""
+    top = (packed.shape[1] - 2) // 2
+    values = packed.tolist()
+    out: dict[SequenceId, ScoredRows] = {}
+    at = 0
+    for chunk in chunks:
+        t = chunk.prompt_targets
+        if t is None:
+            continue
+        scored = []
+        for token, row in zip(t.token_ids, values[at : at + len(t.token_ids)], strict=True):
+            alternatives = [(int(row[2 + j]), row[2 + top + j]) for j in range(t.top)]
+            scored.append(TokenLogprob(token, row[0], alternatives, int(row[1])))
+        out[chunk.seq_id] = ScoredRows(chunk.start_position + 1, scored)
+        at += len(t.token_ids)
     return out
 
 
