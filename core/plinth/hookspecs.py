@@ -121,8 +121,9 @@ API    adds / changes
        compiler inserts the collectives), ``SpmdPlan`` passed as
        ``DeviceServices.compile_step(..., spmd=)`` (the weights' splits, the KV heads)
 1.13   per-rank devices: ``Backend.bind_local_rank(local_rank)``, called first in every rank of a
-       parallel world (local rank: the rank's index among the ranks on its host), after which the
-       services drive ``device_for_rank(local_rank)`` (default: nothing, the one device)
+       parallel world (local rank: the rank's index among the ranks on its host, or the device Ray
+       gave it), after which the services drive ``device_for_rank(local_rank)`` (default: nothing,
+       the one device); ``Capabilities.device_resource`` (Ray's name for one device: "GPU")
 =====  ===========================================================================================
 """
 
@@ -169,7 +170,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 11): "multi-LoRA: LoRASpec, Backend.lora_kernels and KernelProvider.lora_kernels -> LoRAKernels "
     "(prepare_batch -> LoRABatch, shrink, expand), ReferenceLoRA",
     (1, 12): "SPMD tensor parallelism: Capabilities.spmd, SpmdPlan, DeviceServices.compile_step(spmd=)",
-    (1, 13): "per-rank devices: Backend.bind_local_rank(local_rank), the services then drive device_for_rank",
+    (1, 13): "per-rank devices: Backend.bind_local_rank(local_rank), the services then drive device_for_rank; "
+    "Capabilities.device_resource",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

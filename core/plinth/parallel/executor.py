@@ -128,6 +128,10 @@ def default_threads(world_size: int) -> int:
 class Executor(ABC):
     """What the engine needs of the workers' keeper, however they were started (processes, Ray)."""
 
+    #: the device index reserved for rank 0 (Ray, for a backend with a ``device_resource``); None:
+    #: rank 0 takes its index among the ranks on its host
+    local_rank: int | None = None
+
     def broadcast(self, obj: Any) -> None:
         """Send one step (or, ``None``, the end) to every worker.
 
@@ -288,9 +292,12 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
     return 0
 
 
-def worker_loop(config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
+def worker_loop(
+    config: EngineConfig, rank: int, world_size: int, init_method: str, local_rank: int | None = None
+) -> None:
     """A worker rank's life, however it was started (a process here, a Ray actor): join the world,
-    load the shard or stage, then run each step rank 0 broadcasts until it sends ``None``."""
+    load the shard or stage (on device ``local_rank`` where its executor reserved one), then run
+    each step rank 0 broadcasts until it sends ``None``."""
     import torch
 
     from plinth.runtime.lora import LoRAEvict, LoRAPlace
@@ -298,7 +305,7 @@ def worker_loop(config: EngineConfig, rank: int, world_size: int, init_method: s
 
     init_world(init_method, world_size, rank, config.distributed_timeout_s)
     torch.set_num_threads(config.num_threads or default_threads(world_size))
-    runner = build_worker(config, rank, world_size)
+    runner = build_worker(config, rank, world_size, local_rank)
     while True:
         step = broadcast_object(None)
         if step is None:

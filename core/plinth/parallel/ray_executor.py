@@ -19,6 +19,11 @@ Environment (read once, when the executor starts):
 - ``RAY_ADDRESS``: the cluster to join (``<head IP>:6379``); unset: ``"auto"``.
 - ``PLINTH_RAY_PLACEMENT``: ``SPREAD`` (the default: ranks on different nodes where possible),
   ``PACK`` or ``STRICT_SPREAD`` (one rank per node, or fail).
+- ``PLINTH_RAY_DEVICE``: the Ray resource one rank's device is counted as; default: the backend's
+  ``Capabilities.device_resource`` (``GPU`` for the cuda and rocm backends on hardware; none for the
+  CPU backends). With one, each rank reserves one: the workers' bundles, and a bundle for rank 0 on
+  the driver's node (held by a small actor, so Ray gives no worker rank 0's device); each worker
+  binds the one device Ray shows it, rank 0 the index Ray gave its holder. Empty: none.
 - ``PLINTH_RAY_RESOURCES``: JSON of extra custom resources each worker bundle asks for, e.g.
   ``{"plinth_worker": 1}`` to keep workers on the nodes started with that resource (Ray does not
   count the driver's own use of its machine, so SPREAD alone may put a worker beside rank 0).
@@ -27,6 +32,7 @@ Environment (read once, when the executor starts):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -47,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_ENV = "PLINTH_RAY_PLACEMENT"
 RESOURCES_ENV = "PLINTH_RAY_RESOURCES"
+DEVICE_ENV = "PLINTH_RAY_DEVICE"
 STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD")
 #: Ray's resource name for a node's host cores (a bundle's size; nothing to do with any backend).
 HOST_CORES = "CPU"
@@ -70,34 +77,54 @@ class RayClusterError(WorkerFailure):
 
 @dataclass(frozen=True, slots=True)
 class RayNode:
-    """Where one rank runs: the Ray node's id, its IP address and the process's id there."""
+    """Where one rank runs: the Ray node's id, its IP address, the process's id there, and the
+    device ids Ray gave it (of the backend's ``device_resource``; empty without one)."""
 
     node_id: str
     ip: str
     pid: int
+    devices: tuple[str, ...] = ()
+
+
+def _here(device: str | None) -> RayNode:
+    import ray
+
+    context = ray.get_runtime_context()
+    ids = tuple(str(i) for i in context.get_accelerator_ids().get(device, ())) if device else ()
+    return RayNode(context.get_node_id(), ray.util.get_node_ip_address(), os.getpid(), ids)
+
+
+class RayDeviceHolder:
+    """Holds rank 0's device in the placement group (rank 0 is the driver, not an actor: Ray would
+    otherwise hand its device to a worker on the same node) and says which one it is."""
+
+    def node(self, device: str) -> RayNode:
+        """Where the reservation landed and the device ids Ray gave it."""
+        return _here(device)
 
 
 class RayWorker:
     """One worker rank inside a Ray actor (wrapped by ``ray.remote`` when the executor starts)."""
 
-    def node(self) -> RayNode:
-        """The Ray node this actor was placed on, once the worker's modules are imported (so the
-        rendezvous that follows waits on no import)."""
-        import ray
-
+    def node(self, device: str | None = None) -> RayNode:
+        """The Ray node this actor was placed on (and the ids of the ``device`` Ray gave it), once
+        the worker's modules are imported (so the rendezvous that follows waits on no import)."""
         import plinth.runtime.worker  # noqa: F401 - the import ``worker_loop`` would make, done ahead
 
-        return RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+        return _here(device)
 
-    def run(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
-        """The worker loop, until rank 0 broadcasts the end; an error reaches rank 0 through Ray."""
+    def run(
+        self, config: EngineConfig, rank: int, world_size: int, init_method: str, local_rank: int | None = None
+    ) -> None:
+        """The worker loop, until rank 0 broadcasts the end; an error reaches rank 0 through Ray.
+        ``local_rank``: 0 where Ray gave this actor one device (it sees that one only)."""
         import ray
 
         interface = collectives_interface(ray.util.get_node_ip_address())
         if interface is not None:
             os.environ[HOST_COLLECTIVES_INTERFACE_ENV] = interface  # this actor's process only
         try:
-            worker_loop(config, rank, world_size, init_method)
+            worker_loop(config, rank, world_size, init_method, local_rank)
         finally:
             close_world()
 
@@ -182,6 +209,26 @@ def extra_resources() -> dict[str, float]:
     return {str(k): float(v) for k, v in value.items()}
 
 
+def device_resource(config: EngineConfig) -> str | None:
+    """The Ray resource each rank reserves for its device: ``$PLINTH_RAY_DEVICE`` where set (empty:
+    none), else the backend's ``Capabilities.device_resource`` (``"GPU"`` for the GPU backends on
+    hardware; None for the CPU backends: host cores only)."""
+    raw = os.environ.get(DEVICE_ENV)
+    if raw is not None:
+        return raw.strip() or None
+    from plinth.platform.host import default_host
+
+    return default_host().select(config.backend).backend.capabilities().device_resource
+
+
+def _device_options(device: str | None, extra: dict[str, float] | None = None) -> dict[str, Any]:
+    """An actor's options for one ``device`` beside its ``extra`` resources (Ray spells GPUs
+    ``num_gpus``, other devices as resources)."""
+    if device is None:
+        return {}
+    return {"num_gpus": 1} if device == "GPU" else {"resources": {**(extra or {}), device: 1.0}}
+
+
 def _import_ray() -> Any:
     try:
         import ray
@@ -235,7 +282,7 @@ class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, world_size: int) -> None:
         if world_size < 2:
             raise ValueError(f"RayExecutor needs world_size >= 2 (rank 0 is this process), got {world_size}")
-        strategy, extra = placement_strategy(), extra_resources()
+        strategy, extra, device = placement_strategy(), extra_resources(), device_resource(config)
         self.ray = ray = _import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -246,25 +293,36 @@ class RayExecutor(Executor):
         self.actors: list[Any] = []
         self.nodes: list[RayNode] = []  # rank r's node is nodes[r - 1]
         self.placement: Any = None
+        self.device = device  # the Ray resource of one rank's device; None: host cores only
+        self.holder: Any = None  # rank 0's device reservation (with a device)
         self._runs: list[Any] = []
         cores = float(config.num_threads or 1)
-        self.bundle: dict[str, float] = {HOST_CORES: cores, **extra}
+        self.bundle: dict[str, float] = {HOST_CORES: cores, **extra, **({device: 1.0} if device else {})}
         self._owns_connection = connect(ray)
         try:
             self.driver_node = RayNode(
                 ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
             )
-            self.placement = placement_group([dict(self.bundle) for _ in range(world_size - 1)], strategy=strategy)
+            bundles = [dict(self.bundle) for _ in range(world_size - 1)]
+            first = 0
+            if device:  # bundle 0: rank 0's device, on the driver's node (Ray's node:<ip> resource)
+                bundles.insert(0, {device: 1.0, f"node:{self.driver_node.ip}": 0.001})
+                first = 1
+            self.placement = placement_group(bundles, strategy=strategy)
             self._wait_placed(strategy)
+            if device:
+                self.local_rank = self._hold_driver_device(device)
             actor_cls = ray.remote(RayWorker)
-            for index in range(world_size - 1):
+            for index in range(first, first + world_size - 1):
                 placed = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index)
                 options = dict(num_cpus=cores, resources=extra or None, scheduling_strategy=placed)
+                options.update(_device_options(device, extra))
                 self.actors.append(actor_cls.options(**options).remote())
             self.nodes = self._where()
             self.init_method = f"tcp://{self.driver_node.ip}:{free_port(self.driver_node.ip)}"
+            worker_local = 0 if device else None  # Ray shows an actor its one device only: index 0
             self._runs = [
-                actor.run.remote(config, rank, world_size, self.init_method)
+                actor.run.remote(config, rank, world_size, self.init_method, worker_local)
                 for rank, actor in enumerate(self.actors, start=1)
             ]
             with _bound_collectives(collectives_interface(self.driver_node.ip)):
@@ -295,12 +353,33 @@ class RayExecutor(Executor):
             f"`ray start --address=<head IP>:6379 --num-cpus=...`, lower num_threads, or set {PLACEMENT_ENV}=PACK"
         )
 
+    def _hold_driver_device(self, device: str) -> int:
+        """Reserve rank 0's device with a holder actor in bundle 0 and return its index on this node.
+
+        :raises RayClusterError: Ray gave no device id (the resource is not an accelerator Ray manages).
+        """
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = self.ray
+        placed = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0)
+        options: dict[str, Any] = dict(num_cpus=0, scheduling_strategy=placed, **_device_options(device))
+        self.holder = ray.remote(RayDeviceHolder).options(**options).remote()
+        held = ray.get(self.holder.node.remote(device), timeout=max(self.timeout_s, ACTOR_START_S))
+        if held.node_id != self.driver_node.node_id or len(held.devices) != 1 or not held.devices[0].isdigit():
+            raise RayClusterError(
+                f"rank 0's {device} reservation came back as {held.devices or 'no device id'} on node "
+                f"{held.ip}: {DEVICE_ENV} must name a device Ray manages (GPU, TPU, HPU, ...), one per rank"
+            )
+        self.driver_node = dataclasses.replace(self.driver_node, devices=held.devices)
+        return int(held.devices[0])
+
     def _where(self) -> list[RayNode]:
         """Each actor's node, once every actor is up; an actor that could not start fails, by rank."""
         ray, nodes = self.ray, []
         for rank, actor in enumerate(self.actors, start=1):
             try:
-                nodes.append(ray.get(actor.node.remote(), timeout=max(self.timeout_s, ACTOR_START_S)))
+                where = actor.node.remote(self.device) if self.device else actor.node.remote()
+                nodes.append(ray.get(where, timeout=max(self.timeout_s, ACTOR_START_S)))
             except Exception as e:  # noqa: BLE001 - Ray's errors are many: each names the cause
                 raise WorkerFailure(
                     f"rank {rank}'s Ray actor did not start: {_root_error(e)} (every node needs plinth, and the "
@@ -340,8 +419,8 @@ class RayExecutor(Executor):
         return not ready
 
     def kill(self) -> None:
-        """Kill every actor at once (no goodbye over the world)."""
-        for actor in self.actors:
+        """Kill every actor at once (no goodbye over the world), and rank 0's device holder."""
+        for actor in [*self.actors, *([self.holder] if self.holder is not None else [])]:
             with contextlib.suppress(Exception):
                 self.ray.kill(actor, no_restart=True)
 

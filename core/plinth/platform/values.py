@@ -405,6 +405,13 @@ class Capabilities:
     #:
     #: .. versionadded:: 1.12
     spmd: bool = False
+    #: What a cluster scheduler counts one of this backend's devices as (Ray's resource name:
+    #: ``"GPU"`` for CUDA and ROCm GPUs); None: the host's cores only (the CPU backends). The Ray
+    #: executor reserves one per rank, rank 0's on its own node, and each rank binds the one Ray
+    #: gives it.
+    #:
+    #: .. versionadded:: 1.13
+    device_resource: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_placement not in BLOCK_PLACEMENTS:

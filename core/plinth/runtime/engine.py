@@ -120,7 +120,8 @@ class LLMEngine:
     def _start(self, config: EngineConfig, host: PluginHost) -> None:
         t0 = time.monotonic()
         world = 1 if self.spmd else config.world_size  # processes
-        parts = load_parts(config, host, rank=0, world_size=world, spmd=self.spmd)
+        local_rank = self.executor.local_rank if self.executor is not None else None
+        parts = load_parts(config, host, rank=0, world_size=world, spmd=self.spmd, local_rank=local_rank)
         self.backend_status = parts.status
         backend = self.backend = parts.backend
         services = parts.services

@@ -173,15 +173,18 @@ def _split(
     return tp, pp
 
 
-def _bind_local_rank(backend: Backend, rank: int) -> int:
+def _bind_local_rank(backend: Backend, rank: int, given: int | None) -> int:
     """Every rank's host, gathered (collective: every rank calls it at start-up), gives this rank's
-    local rank; the backend binds this process to that rank's device (plugin API 1.13).
+    local rank, unless its executor ``given`` it one (the device Ray reserved for it); the backend
+    binds this process to that rank's device (plugin API 1.13).
 
     :raises InvalidRequest: the backend has no device for it, naming the rank.
     """
     from plinth.parallel.executor import host_identity
 
     local_rank = local_ranks(all_gather_object(host_identity()))[rank]
+    if given is not None:
+        local_rank = given
     try:
         backend.bind_local_rank(local_rank)
     except ValueError as e:
@@ -198,19 +201,26 @@ def uses_spmd(config: EngineConfig, host: PluginHost) -> bool:
 
 
 def load_parts(
-    config: EngineConfig, host: PluginHost, *, rank: int = 0, world_size: int = 1, spmd: bool = False
+    config: EngineConfig,
+    host: PluginHost,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    spmd: bool = False,
+    local_rank: int | None = None,
 ) -> ModelParts:
     """Select the backend, resolve its kernels and load the model: all of it, or with
     ``world_size > 1`` rank ``rank``'s tensor-parallel shard of its pipeline stage (``torch.distributed``
     already joined). ``spmd`` (see :func:`uses_spmd`): all of it, its fused rows grouped for a mesh of
-    ``tensor_parallel_size`` devices.
+    ``tensor_parallel_size`` devices. ``local_rank``: the device index the executor reserved for
+    this rank (Ray); None: its index among the ranks on its host.
 
     :raises InvalidRequest: a quantization the backend cannot run, or a model that does not split.
     """
     t0 = time.monotonic()
     status = host.select(config.backend)
     backend = status.backend
-    local_rank = _bind_local_rank(backend, rank) if world_size > 1 else 0
+    local_rank = _bind_local_rank(backend, rank, local_rank) if world_size > 1 else 0
     services = backend.device_services()
     if config.num_threads is not None:  # before any kernels are asked for, so they start with it
         services.set_num_threads(config.num_threads)

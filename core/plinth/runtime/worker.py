@@ -17,13 +17,14 @@ from plinth.runtime.pipeline import PipelineRunner
 from plinth.runtime.runner import ModelRunner
 
 
-def build_worker(config: EngineConfig, rank: int, world_size: int) -> ModelRunner:
+def build_worker(config: EngineConfig, rank: int, world_size: int, local_rank: int | None = None) -> ModelRunner:
     """Load rank ``rank``'s shard, take rank 0's KV-cache decision, and return the runner that runs
-    each broadcast step (``sample=False``).
+    each broadcast step (``sample=False``). ``local_rank``: the device its executor reserved for it
+    (None: its index among the ranks on its host).
 
     :raises RuntimeError: rank 0 chose a block size or dtype this rank would not have.
     """
-    parts = load_parts(config, default_host(), rank=rank, world_size=world_size)
+    parts = load_parts(config, default_host(), rank=rank, world_size=world_size, local_rank=local_rank)
     specs = parts.model.attention_specs()
     gather_object(rank_memory(parts, specs))  # rank 0 sizes the cache for the rank with the least room
     setup = broadcast_object(None)

@@ -89,6 +89,8 @@ class _Hardware:
     #: torch.distributed's backend for the GPUs' collectives: NCCL, and on torch's ROCm builds RCCL
     #: under the same name
     collectives: str | None = "nccl"
+    #: what Ray counts one GPU as (its executor reserves one per rank)
+    device_resource: str | None = "GPU"
 
     def probe(self, backend: TritonBackend) -> Probe:
         return backend.probe_hardware()
@@ -118,6 +120,7 @@ class _Interpreter:
 
     emulation = True
     collectives: str | None = None  # host tensors: the host collectives (gloo)
+    device_resource: str | None = None  # host cores only
 
     def bind(self, backend: TritonBackend, local_rank: int) -> None:
         return None  # every rank on the host's CPU
@@ -209,6 +212,7 @@ class TritonBackend(Backend):
             # the grouped-GEMM fused MoE (kernels/moe.py): dense experts in every compute dtype
             fused_moe=MoECapabilities(dtypes=_DTYPES, activations=frozenset({"silu", "gelu_tanh"})),
             communicator=self.mode().collectives,
+            device_resource=self.mode().device_resource,
         )
 
     def bind_local_rank(self, local_rank: int) -> None:

@@ -86,9 +86,10 @@ def cluster() -> Iterator[Cluster]:
     temp_dir = tempfile.mkdtemp(prefix="plinth-ray-", dir="/tmp")  # short: Ray's socket paths must fit
     port = free_port()
     try:
+        # one GPU each as far as Ray knows (none is there: a GPU only Ray's placement sees)
         _ray_start("--head", f"--port={port}", "--resources={\"node_a\": 1}", "--include-dashboard=false",
-                   temp_dir=temp_dir)  # fmt: skip
-        _ray_start(f"--address=127.0.0.1:{port}", '--resources={"node_b": 1}', temp_dir=temp_dir)
+                   "--num-gpus=1", temp_dir=temp_dir)  # fmt: skip
+        _ray_start(f"--address=127.0.0.1:{port}", '--resources={"node_b": 1}', "--num-gpus=1", temp_dir=temp_dir)
         address = f"127.0.0.1:{port}"
         ray.init(address=address, logging_level="WARNING")
         try:
@@ -149,6 +150,28 @@ def test_two_ranks_over_ray_give_the_single_process_tokens_with_the_worker_on_th
     assert not ray.is_initialized()  # the executor connected, so it disconnected
     assert closed < 15, closed
     print(f"ray {sizes}: started in {started:.1f}s, closed in {closed:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_device_per_rank_is_reserved_and_rank_0s_stays_on_its_own_node(
+    cluster: Cluster, llama: Path, single_process: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a device resource (the GPU backends declare "GPU"; here named by PLINTH_RAY_DEVICE over
+    Ray's bookkeeping GPUs, which the cpu backend ignores) each rank reserves one: the worker's bundle
+    on node_b, rank 0's on the driver's node through a holder actor, so no worker gets rank 0's."""
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("PLINTH_RAY_RESOURCES", '{"node_b": 1}')
+    monkeypatch.setenv("PLINTH_RAY_DEVICE", "GPU")
+    llm = LLM(model=str(llama), distributed_executor="ray", num_threads=1, tensor_parallel_size=2, **ENGINE)
+    executor = llm.engine.executor
+    try:
+        assert isinstance(executor, RayExecutor) and executor.holder is not None
+        assert executor.driver_node.node_id == cluster.node_ids["node_a"] and executor.driver_node.devices == ("0",)
+        assert executor.local_rank == 0  # rank 0 binds the device Ray gave its holder
+        assert executor.nodes[0].node_id == cluster.node_ids["node_b"] and executor.nodes[0].devices == ("0",)
+        assert_same_generations(_generate(llm), single_process, LOGPROB_TOL)
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.slow

@@ -223,6 +223,7 @@ def test_each_rank_binds_its_own_gpu_and_the_collectives_are_nccl(monkeypatch: p
     assert current == [1] and services.device == torch.device("cuda", 1)
     assert services.device_for_rank(1) == services.device  # what the core checks after the bind
     assert cuda.capabilities().communicator == "nccl"
+    assert cuda.capabilities().device_resource == "GPU"  # what the Ray executor reserves per rank
     with pytest.raises(ValueError, match=r"local rank 2 needs GPU 2; CUDA sees 2 GPU\(s\)"):
         cuda.bind_local_rank(2)
 
@@ -235,4 +236,4 @@ def test_in_the_interpreter_every_rank_stays_on_the_cpu_with_the_host_collective
     cuda.bind_local_rank(3)
     services = cuda.device_services()
     assert services.device == torch.device("cpu") and services.device_for_rank(3) == services.device
-    assert cuda.capabilities().communicator is None
+    assert cuda.capabilities().communicator is None and cuda.capabilities().device_resource is None
