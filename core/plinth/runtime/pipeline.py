@@ -18,6 +18,7 @@ import torch
 from plinth.model.context import ForwardContext
 from plinth.parallel.pipeline import PipelineStage
 from plinth.platform.backend import AttentionKernels, DeviceServices, PendingSend
+from plinth.platform.devices import HOST
 from plinth.runtime.prompt_logprobs import pack_scores, score_buffer, unpack_scores
 from plinth.runtime.runner import ModelRunner
 from plinth.runtime.sampler import Sampler, SampleResult
@@ -119,7 +120,7 @@ class PipelineRunner(ModelRunner):
                 scores = score_buffer(group)
                 if scores is not None:  # then its prompt logprobs, if it scored any
                     packed = comm.recv(scores.to(self.device), stage.num_stages - 1)
-                    self.prompt_scorer.put(unpack_scores(packed.cpu(), group))
+                    self.prompt_scorer.put(unpack_scores(packed.to(HOST), group))
         for p in pending:
             p.wait()
         sampling = [i for i, s in enumerate(scheduled) if s.num_samples > 0]

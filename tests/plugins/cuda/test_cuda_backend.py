@@ -232,6 +232,7 @@ def test_in_the_interpreter_every_rank_stays_on_the_cpu_with_the_host_collective
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(runtime.INTERPRET_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the mode sets it to 1: restored after the test
     cuda = CudaBackend()
     cuda.bind_local_rank(3)
     services = cuda.device_services()
