@@ -449,6 +449,24 @@ class DeclaresNothingBackend(_Broken):
         return Capabilities(frozenset(), frozenset(), frozenset(), ())
 
 
+class SpmdWithoutStepsBackend(_Broken):
+    """Declares SPMD tensor parallelism (API 1.12) but compiles no static-shape steps."""
+
+    name = "broken_spmd_without_steps"
+
+    def declare(self) -> Capabilities:
+        return Capabilities(**{**_fields(super().declare()), "spmd": True})
+
+
+class OneDeviceForEveryRankBackend(_Broken):
+    """Declares a device per rank for Ray (API 1.13) but maps every rank to its one device."""
+
+    name = "broken_one_device_for_every_rank"
+
+    def declare(self) -> Capabilities:
+        return Capabilities(**{**_fields(super().declare()), "device_resource": "GPU"})
+
+
 def _fields(caps: Capabilities) -> dict[str, object]:
     return {name: getattr(caps, name) for name in Capabilities.__dataclass_fields__}
 
@@ -475,6 +493,8 @@ BROKEN: dict[str, type[_Broken]] = {
         Raises80Backend,
         AcceptsAnythingBackend,
         DeclaresNothingBackend,
+        SpmdWithoutStepsBackend,
+        OneDeviceForEveryRankBackend,
         QuantOkBackend,
         QuantRoundsActivationsBackend,
         QuantIgnoresMinBackend,
@@ -498,6 +518,8 @@ lies_80 = PLUGINS["broken_lies_80"]
 raises_80 = PLUGINS["broken_raises_80"]
 accepts_anything = PLUGINS["broken_accepts_anything"]
 declares_nothing = PLUGINS["broken_declares_nothing"]
+spmd_without_steps = PLUGINS["broken_spmd_without_steps"]
+one_device_for_every_rank = PLUGINS["broken_one_device_for_every_rank"]
 quant_ok = PLUGINS["quant_ok"]
 quant_rounds_activations = PLUGINS["quant_rounds_activations"]
 q4_1_min = PLUGINS["broken_q4_1_min"]

@@ -41,6 +41,8 @@ def _write_dist(root: Path) -> None:
         "raises_80",
         "accepts_anything",
         "declares_nothing",
+        "spmd_without_steps",
+        "one_device_for_every_rank",
         "q4_1_min",
         "nibble_order",
         "stale_residual",
@@ -152,6 +154,24 @@ def test_undeclared_cases_returning_numbers_fail(pytester: pytest.Pytester, brok
         "undeclared-logits-soft-cap",
     } <= set(failed)
     assert all("returned numbers instead of raising NotSupported" in m for m in failed.values()), failed
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("broken_spmd_without_steps", "*[[]spmd[]] declared without step buckets*"),
+        (
+            "broken_one_device_for_every_rank",
+            "*[[]device-resource[]] 'GPU' declared (a device per rank)*both map to cpu*",
+        ),
+    ],
+)
+def test_scale_out_declarations_the_backend_cannot_keep_fail(
+    pytester: pytest.Pytester, broken_site: Path, backend: str, message: str
+) -> None:
+    result = _run(pytester, backend, "core", "scale_out")
+    result.stdout.fnmatch_lines([message])
+    assert result.ret != 0
 
 
 def test_declaring_nothing_fails_the_mandatory_profile(pytester: pytest.Pytester, broken_site: Path) -> None:

@@ -49,6 +49,29 @@ def test_mandatory_profile_is_declared(plinth_backend: Backend) -> None:
     assert not missing, "[mandatory-profile] not declared: " + ", ".join(missing)
 
 
+def test_scale_out_declarations_hold(plinth_backend: Backend) -> None:
+    """What the core relies on when it splits a model (plugin API 1.12-1.13): local rank 0 binds the
+    device the services then drive (the core's start-up check, made here on every backend); a backend
+    declaring ``spmd`` has static-shape steps and a ``compile_step`` that takes the plan; one declaring
+    a ``device_resource`` (a device per rank) maps ranks 0 and 1 to different devices."""
+    import inspect
+
+    caps = plinth_backend.capabilities()
+    plinth_backend.bind_local_rank(0)
+    services = plinth_backend.device_services()
+    bound = services.device_for_rank(0)
+    assert bound == services.device, f"[bind-local-rank] local rank 0 maps to {bound}; services drive {services.device}"
+    if caps.spmd:
+        assert plinth_backend.step_buckets(64, 8, 8) is not None, "[spmd] declared without step buckets"
+        params = inspect.signature(services.compile_step).parameters
+        assert "spmd" in params, "[spmd] declared, but DeviceServices.compile_step takes no spmd="
+    if caps.device_resource is not None:
+        assert services.device_for_rank(1) != services.device_for_rank(0), (
+            f"[device-resource] {caps.device_resource!r} declared (a device per rank), but ranks 0 and 1 "
+            f"both map to {services.device_for_rank(0)}"
+        )
+
+
 def test_kv_cache_layout(plinth_backend: Backend) -> None:
     """The layout is a permutation of the canonical dims or an interleaved one (API 1.5: checked when
     the layout is built); allocate_kv_cache returns its physical shape in the KV dtype, zero-filled
