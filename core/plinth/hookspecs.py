@@ -124,6 +124,9 @@ API    adds / changes
        parallel world (local rank: the rank's index among the ranks on its host, or the device Ray
        gave it), after which the services drive ``device_for_rank(local_rank)`` (default: nothing,
        the one device); ``Capabilities.device_resource`` (Ray's name for one device: "GPU")
+1.14   16-bit checkpoints: ``GemmKernels.stored_dtypes`` (dense linear weights stored in one of these
+       dtypes reach ``prepare`` as stored, and the GEMM casts them itself: the cpu backend keeps a
+       bf16/fp16 checkpoint's weights in 16 bits in an fp32 model; default: none, cast by the core)
 =====  ===========================================================================================
 """
 
@@ -141,7 +144,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 13)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 14)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -172,6 +175,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     (1, 12): "SPMD tensor parallelism: Capabilities.spmd, SpmdPlan, DeviceServices.compile_step(spmd=)",
     (1, 13): "per-rank devices: Backend.bind_local_rank(local_rank), the services then drive device_for_rank; "
     "Capabilities.device_resource",
+    (1, 14): "16-bit checkpoints: GemmKernels.stored_dtypes (dense linear weights in those dtypes reach "
+    "prepare as stored)",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

@@ -393,9 +393,16 @@ class LlamaForCausalLM(nn.Module):
             t = dequantize(t) if isinstance(t, QuantizedWeight) else t
             return (t.float() + offset).to(device=self.device, dtype=self.dtype) if offset else dense(t)
 
+        stored: frozenset[torch.dtype] = getattr(self.kernels.gemm, "stored_dtypes", frozenset())  # plugin API 1.14
+
+        def linear_dense(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:  # a GEMM's weight: maybe as stored
+            if isinstance(t, torch.Tensor) and t.dtype in stored:
+                return t.to(device=self.device)
+            return dense(t)
+
         def take_linear(name: str) -> torch.Tensor | QuantizedWeight:
             t = w.pop(name)
-            return t if isinstance(t, QuantizedWeight) else dense(t)
+            return t if isinstance(t, QuantizedWeight) else linear_dense(t)
 
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in w else None
@@ -410,7 +417,11 @@ class LlamaForCausalLM(nn.Module):
                 if len({p.format for p in quantized}) == 1:
                     cat = QuantizedWeight.cat(quantized)
                     return cat if order is None else cat.rows(order)
-            dense_cat = torch.cat([dense(p) for p in parts], dim=0)  # mixed formats: fuse dense
+            tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+            if len(tensors) == len(parts) and len({t.dtype for t in tensors}) == 1:  # one dtype: maybe as stored
+                dense_cat = torch.cat([linear_dense(t) for t in tensors], dim=0)
+            else:  # mixed formats: fuse dense
+                dense_cat = torch.cat([dense(p) for p in parts], dim=0)
             return dense_cat if order is None else dense_cat[order]
 
         def fused_bias(names: list[str], grouped: bool = False) -> torch.Tensor | None:
@@ -460,8 +471,9 @@ class LlamaForCausalLM(nn.Module):
             # (a quantized embedding keeps its blocks for the lm_head, where the GEMM takes them)
             if self.config.tie_word_embeddings:
                 tied = raw_embed if isinstance(raw_embed, QuantizedWeight) else embed
-                assert tied is not None, "a tied model's last stage loads the embedding"
-                self.lm_head.load(tied)
+                assert tied is not None and raw_embed is not None, "a tied model's last stage loads the embedding"
+                keep = isinstance(raw_embed, torch.Tensor) and raw_embed.dtype in stored
+                self.lm_head.load(linear_dense(raw_embed) if keep else tied)
             else:
                 self.lm_head.load(take_linear("lm_head.weight"))
         assert not w, f"weights left unassigned: {sorted(w)}"

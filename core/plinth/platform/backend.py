@@ -448,11 +448,21 @@ class GemmKernels(ABC):
     .. versionadded:: 1.0
     """
 
+    #: Dtypes in which a dense linear weight reaches :meth:`prepare` as the checkpoint stored it
+    #: (moved to the device, not cast); :meth:`prepare` then casts it as it sees fit (the cpu
+    #: backend keeps a bf16/fp16 checkpoint's weights in 16 bits in an fp32 model). Weights in any
+    #: other dtype, and every weight where this is empty (the default), arrive cast to the model's
+    #: dtype.
+    #:
+    #: .. versionadded:: 1.14
+    stored_dtypes: frozenset[torch.dtype] = frozenset()
+
     @abstractmethod
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
         """Turn a dense ``weight`` [N, K] (and ``bias`` [N]) into the layout ``linear`` wants.
 
-        Called once per weight at load time; may re-lay out, cast or move to the device.
+        Called once per weight at load time; may re-lay out, cast or move to the device. The weight
+        is in the model's dtype, or in its stored dtype where that is one of :attr:`stored_dtypes`.
         """
 
     @abstractmethod

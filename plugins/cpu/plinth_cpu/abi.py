@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -79,6 +79,12 @@ FUNCTIONS: dict[str, CFunction] = {
     "plinth_gemm_f32_panels": CFunction(
         "void", "const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K", 11, "M"
     ),
+    "plinth_gemm_panels16": CFunction(
+        "int",
+        "int wt, const float *x, const void *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K",
+        15,
+        "M",
+    ),  # wt: 1 bf16, 2 fp16 panels
     "plinth_gemm_quant": CFunction(
         "int",
         "int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K",

@@ -173,8 +173,9 @@ class CpuBackend(Backend):
     name = "cpu"
     version = __version__
     # 1.4: set_num_threads, read_probes, prefault, SmallOps.argmax; 1.8: fused MoE; 1.9: apply_token_bitmask;
-    # 1.10: communicator(groups=) (a shared-memory all-reduce on one host); 1.11: batched LoRA
-    api_version = (1, 11)
+    # 1.10: communicator(groups=) (a shared-memory all-reduce on one host); 1.11: batched LoRA;
+    # 1.14: GemmKernels.stored_dtypes (16-bit checkpoint weights kept in 16-bit panels)
+    api_version = (1, 14)
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:

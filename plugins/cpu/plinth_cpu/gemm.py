@@ -34,10 +34,14 @@ import torch.nn.functional as F
 
 from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.platform.quant import QuantizedWeight
-from plinth_cpu.native import QUANT_FORMATS, NativeKernels
+from plinth_cpu.native import PANEL16_DTYPES, QUANT_FORMATS, NativeKernels
 
 #: ``LinearWeight.format`` of an fp32 weight laid out in 8-row panels for the native kernels.
 PANELS = "f32_panels"
+#: ... of a bf16/fp16 checkpoint weight in an fp32 model, kept in its 16 bits in those panels.
+PANELS16 = "w16_panels"
+#: "0": bf16/fp16 checkpoint weights of an fp32 model are cast to fp32 panels too (default "1": kept in 16 bits).
+KEEP16_ENV = "PLINTH_CPU_KEEP_16BIT"
 #: Activation handling for quantized weights at few rows: "int16" (default), "fp32" or "int8".
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
 ACTIVATION_MODES = ("int16", "fp32", "int8")
@@ -110,10 +114,20 @@ class NativeGemm(CpuGemm):
             raise ValueError(f"{where}: expected one of {', '.join(ACTIVATION_MODES)}")
         self.activations = activations
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
+        # an fp32 model takes a 16-bit checkpoint's weights as stored and keeps them in 16-bit panels
+        keep16 = dtype == torch.float32 and os.environ.get(KEEP16_ENV, "1") != "0"
+        self.stored_dtypes = frozenset(PANEL16_DTYPES) if keep16 else frozenset()
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
-        """As :meth:`CpuGemm.prepare`; fp32 weights with K a multiple of 8 are laid out in panels
-        (format ``"f32_panels"``) instead."""
+        """As :meth:`CpuGemm.prepare`; in an fp32 model, weights with K a multiple of 8 are laid out in
+        panels instead: a bf16/fp16 weight (a checkpoint stored in 16 bits) keeps its 16 bits (format
+        ``"w16_panels"``: half the bytes to read, the same products as its fp32 values), any other
+        one is cast to fp32 (format ``"f32_panels"``)."""
+        if weight.dtype in self.stored_dtypes and weight.shape[1] % 8 == 0:
+            b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
+            panels = self.native.pack_16(weight.to(device="cpu").contiguous())
+            n, k = weight.shape
+            return LinearWeight(n, k, weight=None, bias=b, format=PANELS16, data={"panels": panels})
         prepared = super().prepare(weight, bias)
         w = prepared.weight
         if self.dtype != torch.float32 or w is None or prepared.in_features % 8:
@@ -144,6 +158,10 @@ class NativeGemm(CpuGemm):
         if weight.format == PANELS:
             xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
             y = self.native.gemm_f32_panels(xf, weight.data["panels"], weight.bias, weight.out_features)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if weight.format == PANELS16:
+            xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+            y = self.native.gemm_panels16(xf, weight.data["panels"], weight.bias, weight.out_features)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if weight.format in QUANT_FORMATS:
             return self._linear_quantized(x, weight)

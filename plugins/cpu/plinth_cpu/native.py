@@ -73,6 +73,9 @@ QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (
 #: Activation handling of ``plinth_gemm_quant``: name -> code.
 ACTIVATIONS: dict[str, int] = {"fp32": 0, "int8": 1, "int16": 2}
 
+#: 16-bit panel dtypes -> their ``wt`` code in ``plinth_gemm_panels16``.
+PANEL16_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
+
 
 class GraphError(RuntimeError):
     """A step graph could not be recorded or a replayed call failed."""
@@ -271,6 +274,31 @@ class NativeKernels:
         y = torch.empty(M, n, dtype=torch.float32)
         self.lib.plinth_gemm_f32_panels(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                                         y.data_ptr(), M, n, K)  # fmt: skip
+        return y
+
+    def pack_16(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` [N, K] (bf16 or fp16, K a multiple of 8) as 8-row panels ``[ceil(N/8), K, 8]`` of its
+        own dtype: :meth:`pack_f32`'s layout with 2-byte elements, for :meth:`gemm_panels16`."""
+        if w.dtype not in PANEL16_DTYPES:
+            raise ValueError(f"16-bit panels hold bf16 or fp16, not {w.dtype}")
+        N, K = w.shape
+        panels = huge_page_tensor(((N + 7) // 8, K, 8), w.dtype)
+        full, rest = divmod(N, 8)
+        panels[:full].copy_(w[: full * 8].view(full, 8, K).transpose(1, 2))
+        if rest:
+            panels[full].zero_()
+            panels[full, :, :rest].copy_(w[full * 8 :].t())
+        return panels
+
+    def gemm_panels16(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """``x`` [M, K] (fp32) @ w^T (+ ``bias``) for a weight of ``n`` rows laid out by :meth:`pack_16`:
+        the weights widened to fp32 as they are read, the sums those of :meth:`gemm_f32_panels` over the
+        same values, bit for bit."""
+        M, K = x.shape
+        y = torch.empty(M, n, dtype=torch.float32)
+        if self.lib.plinth_gemm_panels16(PANEL16_DTYPES[panels.dtype], x.data_ptr(), panels.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), y.data_ptr(), M, n, K):  # fmt: skip
+            raise ValueError(f"the library took no {panels.dtype} panels")
         return y
 
     def dequant_panels(self, fmt: str, blocks: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:

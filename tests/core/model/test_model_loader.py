@@ -173,3 +173,31 @@ def test_legacy_config_spelling() -> None:
                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
             }
         )
+
+
+@pytest.mark.parametrize("stored", [frozenset(), frozenset({torch.bfloat16})], ids=["cast", "as-stored"])
+def test_linear_weights_reach_the_gemm_as_stored_where_it_asks(tmp_path: Path, stored: frozenset[torch.dtype]) -> None:
+    """Plugin API 1.14: a bf16 checkpoint's linear weights (fused q/k/v and gate/up, o/down, the tied
+    lm_head) reach ``GemmKernels.prepare`` in bf16 when the GEMM lists bf16 in ``stored_dtypes``, and
+    cast to the model's fp32 otherwise; norms and the embedding are cast either way, and the logits are
+    the same (the reference GEMM casts what it is given)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = save_tiny(TINY, tmp_path / "fp32")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    kernels = reference_kernels()
+    seen: list[torch.dtype] = []
+    prepare = kernels.gemm.prepare
+
+    def recording_prepare(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        seen.append(weight.dtype)
+        return prepare(weight, bias)
+
+    kernels.gemm.stored_dtypes = stored  # type: ignore[misc]
+    kernels.gemm.prepare = recording_prepare  # type: ignore[method-assign]
+    model, _ = load_model(resolve_model(str(tmp_path / "bf16")), kernels, torch.float32, 4, "float32")
+    assert len(seen) == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the tied lm_head
+    assert set(seen) == ({torch.bfloat16} if stored else {torch.float32})
+    assert model.embed_tokens.dtype == torch.float32 and model.norm.weight.dtype == torch.float32
+    bf16_hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    _assert_matches(model, bf16_hf)

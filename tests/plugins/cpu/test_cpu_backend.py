@@ -219,6 +219,33 @@ def test_gemm_float32_matches_reference(with_bias: bool) -> None:
     torch.testing.assert_close(gemm.linear(x, prepared), ref.linear(x, ref.prepare(w, b)))
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("keep", ["1", "0"], ids=["kept", "cast"])
+def test_gemm_float32_keeps_a_16bit_checkpoint_weight(
+    stored: torch.dtype, keep: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fp32 model's weight stored in 16 bits stays in 16-bit panels with the native kernels (half
+    the bytes; PLINTH_CPU_KEEP_16BIT=0 casts it to fp32 panels), and the product is the fp32 one of its
+    values bit for bit, with fp32 activations and bias; without native kernels it is cast to fp32."""
+    monkeypatch.setenv("PLINTH_CPU_KEEP_16BIT", keep)
+    gen = torch.Generator().manual_seed(2)
+    w, b = torch.randn(45, 96, generator=gen).to(stored), torch.randn(45, generator=gen).to(stored)
+    x = torch.randn(7, 96, generator=gen)
+    gemm = CpuBackend().gemm_kernels("float32")
+    prepared = gemm.prepare(w, b)
+    assert prepared.bias is not None and prepared.bias.dtype == torch.float32
+    if isinstance(gemm, NativeGemm):
+        fmt, dtype = ("w16_panels", stored) if keep == "1" else ("f32_panels", torch.float32)
+        assert prepared.format == fmt and prepared.data["panels"].dtype == dtype
+        assert prepared.data["panels"].shape == (6, 96, 8)
+        fp32 = gemm.prepare(w.float(), b.float())
+        assert torch.equal(gemm.linear(x, prepared), gemm.linear(x, fp32))
+    else:
+        assert prepared.weight is not None and prepared.weight.dtype == torch.float32
+    ref = ReferenceGemm(torch.float32)
+    torch.testing.assert_close(gemm.linear(x, prepared), ref.linear(x, ref.prepare(w.float(), b.float())))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gemm_half_precision_is_close_to_fp32(dtype: str) -> None:
     """A half-precision GEMM keeps the weight in that dtype and stays near the fp32 result."""

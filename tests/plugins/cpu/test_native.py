@@ -124,6 +124,47 @@ def test_gemm_f32_panels_matches_linear(nk: NativeKernels, threads: int, m: int,
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 4, 5, 45, 70, 263])  # few-row tiles, 64-row blocks, the blocked path
+@pytest.mark.parametrize("n", [8, 13, 200])  # 13: a last panel of 5 rows
+@pytest.mark.parametrize("k", [64, 1544])  # 1544: 13 blocks of K, the last one shorter
+def test_gemm_panels16_equal_fp32_panels(
+    nk: NativeKernels, threads: int, dtype: torch.dtype, m: int, n: int, k: int
+) -> None:
+    """A 16-bit weight in its own panels gives the sums of the fp32 panels of its values bit for bit
+    (widened exactly as read, the same FMA chains), with and without a bias, on every path."""
+    gen = torch.Generator().manual_seed(m * 100 + n + k + 11)
+    x, w16 = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen)
+    panels = nk.pack_16(w16)
+    assert panels.dtype == dtype and panels.shape == ((n + 7) // 8, k, 8)
+    assert torch.equal(panels.float(), nk.pack_f32(w16.float()))  # the same layout, padding rows zero
+    for bias in (None, b):
+        got = nk.gemm_panels16(x, panels, bias, n)
+        assert torch.equal(got, nk.gemm_f32_panels(x, nk.pack_f32(w16.float()), bias, n))
+    tol = 1e-5 * k**0.5
+    torch.testing.assert_close(got, F.linear(x, w16.float(), b), rtol=tol, atol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 48, 95])  # from 48 rows an output this wide takes the blocked path
+def test_gemm_panels16_wide_output(nk: NativeKernels, m: int) -> None:
+    """An lm_head-wide bf16 weight (16389 outputs, a partial last panel) equals its fp32 panels."""
+    gen = torch.Generator().manual_seed(m + 5)
+    x, w = torch.randn(m, 64, generator=gen), torch.randn(16389, 64, generator=gen).to(torch.bfloat16)
+    b = torch.randn(16389, generator=gen)
+    want = nk.gemm_f32_panels(x, nk.pack_f32(w.float()), b, 16389)
+    assert torch.equal(nk.gemm_panels16(x, nk.pack_16(w), b, 16389), want)
+
+
+@needs_native
+def test_pack_16_refuses_other_dtypes(nk: NativeKernels) -> None:
+    """16-bit panels hold bf16 or fp16; an fp32 weight is a clear error, not reinterpreted bytes."""
+    with pytest.raises(ValueError, match="bf16 or fp16, not torch.float32"):
+        nk.pack_16(torch.zeros(8, 8))
+
+
+@needs_native
 @pytest.mark.parametrize("m", [47, 48, 95])  # from 48 rows an output this wide takes the blocked path
 def test_gemm_f32_panels_wide_output(nk: NativeKernels, threads: int, m: int) -> None:
     """An lm_head-wide product (16389 outputs: a partial last panel) at the rows where the blocked
@@ -453,6 +494,7 @@ class _GraphInputs:
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # rotary_dim 16 < head 32
         self.q4 = _q4_1(40, 64, gen)
         self.q8 = quantize_q8_0(torch.randn(24, 64, generator=gen))
+        self.panels16 = self.panels.to(torch.bfloat16)  # a bf16 checkpoint's weight in its own panels
         self.refill()
 
     def refill(self) -> None:
@@ -489,6 +531,7 @@ class _GraphInputs:
             nk.decode_attention(out[-1], cache, self.block_tables, self.seq_lens, 0.2, None, None),
             nk.gemm_quant("q4_1", self.x, self.q4.blocks, self.bias, 40),
             nk.gemm_quant("q8_0", self.x, self.q8.blocks, None, 24),
+            nk.gemm_panels16(self.x, self.panels16, self.bias, 40),
         ]
         return out
 
@@ -506,8 +549,8 @@ def test_recorded_calls_replay_over_refilled_inputs(threads: int, recording: Nat
         "gemm_f32", "gemm_f32_panels", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm_heads", "rotary",
         "write_kv", "decode_attention",
     ]  # fmt: skip
-    assert graph.names == [f"plinth_{n}" for n in expected_names + ["gemm_quant"] * 2]
-    assert len(graph) == 11 and set(graph.names) <= set(GRAPH_OPS)
+    assert graph.names == [f"plinth_{n}" for n in expected_names + ["gemm_quant"] * 2 + ["gemm_panels16"]]
+    assert len(graph) == 12 and set(graph.names) <= set(GRAPH_OPS)
     for out in outputs[:2]:
         torch.testing.assert_close(out, F.linear(inputs.x, inputs.w, inputs.bias), rtol=1e-5, atol=1e-5)
 
@@ -517,7 +560,7 @@ def test_recorded_calls_replay_over_refilled_inputs(threads: int, recording: Nat
         cache, residual = inputs.cache.clone(), inputs.residual.clone()
         expected = inputs.run(nk, cache, residual)  # eager, on copies of the state the replay updates
         graph.replay()
-        names = [n for n in expected_names if n != "write_kv"] + ["gemm_quant"] * 2
+        names = [n for n in expected_names if n != "write_kv"] + ["gemm_quant"] * 2 + ["gemm_panels16"]
         for name, got, want, old in zip(names, outputs, expected, before, strict=True):
             assert torch.equal(got, want), f"{name}: the replay differs from a fresh call"
             assert not torch.equal(got, old), f"{name}: the replay left its output as it was"

@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 11
+#define PLINTH_ABI_VERSION 12
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -21,6 +21,7 @@ void plinth_read_probe(const float *x, float *out, int64_t n);
 void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 void plinth_pack_f32_panels(const float *w, float *P, int64_t N, int64_t K);
 void plinth_gemm_f32_panels(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
+int plinth_gemm_panels16(int wt, const float *x, const void *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 void plinth_round_trip_q8(const float *x, float *out, int64_t M, int64_t K);
 int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
@@ -52,6 +53,7 @@ enum {
     OP_DEQUANT_PANELS = 12,
     OP_RMS_NORM_HEADS = 13,
     OP_GELU_TANH_AND_MUL = 14,
+    OP_GEMM_PANELS16 = 15,
 };
 
 /* Where an op of `kind` holds its row count in plinth_op.a; -1: the op has none. */
@@ -69,6 +71,7 @@ static int op_rows_arg(int64_t kind) {
     case OP_GEMM_F32_PANELS: return 4;
     case OP_RMS_NORM_HEADS: return 4;
     case OP_GELU_TANH_AND_MUL: return 2;
+    case OP_GEMM_PANELS16: return 5;
     default: return -1;
     }
 }
@@ -114,6 +117,8 @@ static int run_op(const plinth_op *op) {
     case OP_GELU_TANH_AND_MUL:
         plinth_gelu_tanh_and_mul((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int64_t)op->a[3]);
         return 0;
+    case OP_GEMM_PANELS16:
+        return plinth_gemm_panels16((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7]) != 0;
     default: return -1;
     }
 }

@@ -410,10 +410,40 @@ static void tile_1x3(const float *x, const float *const w[3], int64_t K, float *
     store3(y, hsum3(_mm256_add_ps(a0, a1), _mm256_add_ps(b0, b1), _mm256_add_ps(c0, c1)), col, bias);
 }
 
+/* Panels hold fp32 weights (W_F32), or a checkpoint's 16-bit weights kept as they were stored
+ * (W_BF16, W_F16: half the bytes to stream). Those are widened to fp32 as they are loaded (bf16: the
+ * bits shifted up; fp16: F16C's vcvtph2ps), exactly, since every bf16 and fp16 value is an fp32
+ * value; the FMA chains are the fp32 panels', so a 16-bit panel and the fp32 panel of the same values
+ * give the same sums bit for bit. `wt` is a constant wherever these are inlined. */
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+static inline size_t wsize(int wt) { return wt == W_F32 ? sizeof(float) : sizeof(uint16_t); }
+/* the element i of a panel buffer of kind wt */
+static inline const void *wat(const void *P, int64_t i, int wt) { return (const char *)P + i * (int64_t)wsize(wt); }
+/* 8 weights from element i */
+static inline __attribute__((always_inline)) __m256 load8w(const void *P, int64_t i, int wt) {
+    if (wt == W_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)P + i))), 16));
+    if (wt == W_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)P + i)));
+    return _mm256_loadu_ps((const float *)P + i);
+}
+#if PLINTH_AVX512
+/* 16 weights from element i */
+static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64_t i, int wt) {
+    if (wt == W_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)P + i))), 16));
+    if (wt == W_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)P + i)));
+    return _mm512_loadu_ps((const float *)P + i);
+}
+#endif
+
 typedef struct {
     const float *x, *w, *bias;
     float *y;
     int64_t M, N, K;
+    const void *P; /* panels (gemm_panels_range): elements of kind wt */
+    int wt;
 } gemm_ctx;
 
 /* Activation rows per pass over a thread's weight rows: 64 rows of K floats stay in L2 while the
@@ -443,7 +473,7 @@ static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
 }
 
 void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    gemm_ctx c = {x, w, bias, y, M, N, K};
+    gemm_ctx c = {x, w, bias, y, M, N, K, NULL, W_F32};
     int64_t groups = (N + 2) / 3;
     parallel_for(gemm_f32_range, &c, groups, grain_for(groups, 8));
 }
@@ -524,7 +554,7 @@ static void pack_panels_range(void *p, int64_t begin, int64_t end) {
 
 /* Lays out a weight [N, K] (K a multiple of 8) as panels P [ceil(N/8) * 8 * K]. */
 void plinth_pack_f32_panels(const float *w, float *P, int64_t N, int64_t K) {
-    gemm_ctx c = {NULL, w, NULL, P, 0, N, K};
+    gemm_ctx c = {NULL, w, NULL, P, 0, N, K, NULL, W_F32};
     int64_t panels = (N + 7) / 8;
     parallel_for(pack_panels_range, &c, panels, grain_for(panels, 4));
 }
@@ -560,15 +590,16 @@ static inline void store8(float *y, __m256 v, int acc, const float *bias, int64_
         store8(y + i * N + col[1], fold_halves(c##i##1), acc, bias, col[1], N);                                \
         store8(y + i * N + col[2], fold_halves(c##i##2), acc, bias, col[2], N);                                \
     }
-static inline __attribute__((always_inline)) void panel_tile(int r, const float *x, int64_t K, const float *const P[3],
+static inline __attribute__((always_inline)) void panel_tile(int r, const float *x, int64_t K, const void *const P[3],
                                                              int64_t kc, float *y, int64_t N, const int64_t col[3],
-                                                             int acc, const float *bias) {
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *p0 = P[0], *p1 = P[1], *p2 = P[2];
+                                                             int acc, const float *bias, int wt) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    const void *p0 = P[0], *p1 = P[1], *p2 = P[2];
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
     __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
     (void)x1, (void)x2, (void)x3;
     for (int64_t k = 0; k < kc; k += 2) { /* kc is a multiple of 8 */
-        __m512 b0 = _mm512_loadu_ps(p0 + 8 * k), b1 = _mm512_loadu_ps(p1 + 8 * k), b2 = _mm512_loadu_ps(p2 + 8 * k);
+        __m512 b0 = load16w(p0, 8 * k, wt), b1 = load16w(p1, 8 * k, wt), b2 = load16w(p2, 8 * k, wt);
         PROW(0) PROW(1) PROW(2) PROW(3)
     }
     POUT(0) POUT(1) POUT(2) POUT(3)
@@ -590,15 +621,16 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
     }
 /* r (a constant where inlined, 1..4) activation rows (K apart) by the panels' first kc k; outputs
  * at columns col[0..2] of rows N apart */
-static inline __attribute__((always_inline)) void panel_tile(int r, const float *x, int64_t K, const float *const P[3],
+static inline __attribute__((always_inline)) void panel_tile(int r, const float *x, int64_t K, const void *const P[3],
                                                              int64_t kc, float *y, int64_t N, const int64_t col[3],
-                                                             int acc, const float *bias) {
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *p0 = P[0], *p1 = P[1], *p2 = P[2];
+                                                             int acc, const float *bias, int wt) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    const void *p0 = P[0], *p1 = P[1], *p2 = P[2];
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
     __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
     (void)x1, (void)x2, (void)x3;
     for (int64_t k = 0; k < kc; k++) {
-        __m256 b0 = _mm256_loadu_ps(p0 + 8 * k), b1 = _mm256_loadu_ps(p1 + 8 * k), b2 = _mm256_loadu_ps(p2 + 8 * k);
+        __m256 b0 = load8w(p0, 8 * k, wt), b1 = load8w(p1, 8 * k, wt), b2 = load8w(p2, 8 * k, wt);
         PROW(0) PROW(1) PROW(2) PROW(3)
     }
     POUT(0) POUT(1) POUT(2) POUT(3)
@@ -607,33 +639,54 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
 #undef POUT
 #endif
 
-static void panel_tile_rows(int64_t r, const float *x, int64_t K, const float *const P[3], int64_t kc, float *y,
-                            int64_t N, const int64_t col[3], int acc, const float *bias) {
+static inline __attribute__((always_inline)) void panel_tile_rows_w(int64_t r, const float *x, int64_t K,
+                                                                    const void *const P[3], int64_t kc, float *y,
+                                                                    int64_t N, const int64_t col[3], int acc,
+                                                                    const float *bias, int wt) {
     switch (r) {
-    case 4: panel_tile(4, x, K, P, kc, y, N, col, acc, bias); break;
-    case 3: panel_tile(3, x, K, P, kc, y, N, col, acc, bias); break;
-    case 2: panel_tile(2, x, K, P, kc, y, N, col, acc, bias); break;
-    default: panel_tile(1, x, K, P, kc, y, N, col, acc, bias); break;
+    case 4: panel_tile(4, x, K, P, kc, y, N, col, acc, bias, wt); break;
+    case 3: panel_tile(3, x, K, P, kc, y, N, col, acc, bias, wt); break;
+    case 2: panel_tile(2, x, K, P, kc, y, N, col, acc, bias, wt); break;
+    default: panel_tile(1, x, K, P, kc, y, N, col, acc, bias, wt); break;
+    }
+}
+
+static void panel_tile_rows(int64_t r, const float *x, int64_t K, const void *const P[3], int64_t kc, float *y,
+                            int64_t N, const int64_t col[3], int acc, const float *bias, int wt) {
+    switch (wt) {
+    case W_BF16: panel_tile_rows_w(r, x, K, P, kc, y, N, col, acc, bias, W_BF16); break;
+    case W_F16: panel_tile_rows_w(r, x, K, P, kc, y, N, col, acc, bias, W_F16); break;
+    default: panel_tile_rows_w(r, x, K, P, kc, y, N, col, acc, bias, W_F32); break;
     }
 }
 
 /* one activation row by one whole panel (a thread's 1-2 panels left over from its triples) */
-static void panel_row(const float *x, const float *P, int64_t K, float *y, int64_t n0, int64_t N, const float *bias) {
+static inline __attribute__((always_inline)) void panel_row_w(const float *x, const void *P, int64_t K, float *y,
+                                                              int64_t n0, int64_t N, const float *bias, int wt) {
 #if PLINTH_AVX512
     __m512 a = _mm512_setzero_ps(), b = a;
     for (int64_t k = 0; k < K; k += 4) { /* two chains of k pairs: K is a multiple of 8 */
-        a = _mm512_fmadd_ps(pair_halves(x + k), _mm512_loadu_ps(P + 8 * k), a);
-        b = _mm512_fmadd_ps(pair_halves(x + k + 2), _mm512_loadu_ps(P + 8 * k + 16), b);
+        a = _mm512_fmadd_ps(pair_halves(x + k), load16w(P, 8 * k, wt), a);
+        b = _mm512_fmadd_ps(pair_halves(x + k + 2), load16w(P, 8 * k + 16, wt), b);
     }
     store8(y + n0, fold_halves(_mm512_add_ps(a, b)), 0, bias, n0, N);
 #else
     __m256 a = _mm256_setzero_ps(), b = a;
     for (int64_t k = 0; k < K; k += 2) { /* two chains: K is a multiple of 8 */
-        a = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), _mm256_loadu_ps(P + 8 * k), a);
-        b = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k + 1), _mm256_loadu_ps(P + 8 * k + 8), b);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), load8w(P, 8 * k, wt), a);
+        b = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k + 1), load8w(P, 8 * k + 8, wt), b);
     }
     store8(y + n0, _mm256_add_ps(a, b), 0, bias, n0, N);
 #endif
+}
+
+static void panel_row(const float *x, const void *P, int64_t K, float *y, int64_t n0, int64_t N, const float *bias,
+                      int wt) {
+    switch (wt) {
+    case W_BF16: panel_row_w(x, P, K, y, n0, N, bias, W_BF16); break;
+    case W_F16: panel_row_w(x, P, K, y, n0, N, bias, W_F16); break;
+    default: panel_row_w(x, P, K, y, n0, N, bias, W_F32); break;
+    }
 }
 
 /* items are panels; a thread's range is walked as three segments of S panels side by side */
@@ -641,6 +694,8 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
     gemm_ctx *c = (gemm_ctx *)p;
     int64_t M = c->M, N = c->N, K = c->K, S = (end - begin) / 3;
     int64_t chunks = M <= 4 ? 1 : (K + PANEL_KC - 1) / PANEL_KC, kcs = (K / chunks + 7) / 8 * 8;
+    int wt = c->wt;
+    int64_t per_line = 64 / (int64_t)wsize(wt); /* elements in a cache line */
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
         int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M, groups = (m1 - m0 + 3) / 4;
         int prefetch = groups >= PANEL_PREFETCH_GROUPS;
@@ -648,29 +703,31 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
             const int64_t col[3] = {q * 8, (q + S) * 8, (q + 2 * S) * 8};
             for (int64_t k0 = 0; k0 < K; k0 += kcs) {
                 int64_t kc = K - k0 < kcs ? K - k0 : kcs, lines = 0;
-                const float *P[3] = {c->w + col[0] * K + k0 * 8, c->w + col[1] * K + k0 * 8, c->w + col[2] * K + k0 * 8};
+                const void *P[3] = {wat(c->P, col[0] * K + k0 * 8, wt), wat(c->P, col[1] * K + k0 * 8, wt),
+                                    wat(c->P, col[2] * K + k0 * 8, wt)};
                 const float *bias = k0 + kc >= K ? c->bias : NULL; /* added once, with the last block */
                 /* with enough row groups, each also prefetches a share of the lines of the panels'
                  * next block (or the next triple's first), so that block does not start on misses */
-                const float *next[3] = {P[0], P[1], P[2]};
+                const void *next[3] = {P[0], P[1], P[2]};
                 if (prefetch && k0 + kc < K) {
-                    for (int j = 0; j < 3; j++) next[j] = P[j] + kc * 8;
-                    lines = (K - k0 - kc < kcs ? K - k0 - kc : kcs) / 2; /* 16 floats a line */
+                    for (int j = 0; j < 3; j++) next[j] = wat(P[j], kc * 8, wt);
+                    lines = (K - k0 - kc < kcs ? K - k0 - kc : kcs) * 8 / per_line;
                 } else if (prefetch && q + 1 < begin + S) {
-                    for (int j = 0; j < 3; j++) next[j] = c->w + (col[j] + 8) * K;
-                    lines = kcs / 2;
+                    for (int j = 0; j < 3; j++) next[j] = wat(c->P, (col[j] + 8) * K, wt);
+                    lines = kcs * 8 / per_line;
                 }
                 int64_t share = (lines + groups - 1) / groups, l0 = 0;
                 for (int64_t m = m0; m < m1; m += 4, l0 += share) {
                     for (int64_t l = l0; l < l0 + share && l < lines; l++)
-                        for (int j = 0; j < 3; j++) _mm_prefetch((const char *)(next[j] + l * 16), _MM_HINT_T0);
+                        for (int j = 0; j < 3; j++) _mm_prefetch((const char *)next[j] + l * 64, _MM_HINT_T0);
                     panel_tile_rows(m1 - m < 4 ? m1 - m : 4, c->x + m * K + k0, K, P, kc, c->y + m * N, N, col, k0 > 0,
-                                    bias);
+                                    bias, wt);
                 }
             }
         }
         for (int64_t q = begin + 3 * S; q < end; q++)
-            for (int64_t m = m0; m < m1; m++) panel_row(c->x + m * K, c->w + q * 8 * K, K, c->y + m * N, q * 8, N, c->bias);
+            for (int64_t m = m0; m < m1; m++)
+                panel_row(c->x + m * K, wat(c->P, q * 8 * K, wt), K, c->y + m * N, q * 8, N, c->bias, wt);
     }
 }
 
@@ -708,12 +765,12 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
         }                                                                                                      \
         _mm256_storeu_ps(y + i * ldy, c##i##0), _mm256_storeu_ps(y + i * ldy + 8, c##i##1);                    \
     }
-static inline __attribute__((always_inline)) void kern_rows(int mr, const float *A, int64_t kc, const float *P0,
-                                                            const float *P1, float *y, int64_t ldy, int acc) {
+static inline __attribute__((always_inline)) void kern_rows(int mr, const float *A, int64_t kc, const void *P0,
+                                                            const void *P1, float *y, int64_t ldy, int acc, int wt) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t k = 0; k < kc; k++, A += 6) {
-        __m256 b0 = _mm256_loadu_ps(P0 + 8 * k), b1 = _mm256_loadu_ps(P1 + 8 * k);
+        __m256 b0 = load8w(P0, 8 * k, wt), b1 = load8w(P1, 8 * k, wt);
         KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
     }
     KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
@@ -722,15 +779,25 @@ static inline __attribute__((always_inline)) void kern_rows(int mr, const float 
 #undef KOUT
 
 /* kern_rows for any mr in 1..6 (the last rows of x need no zero rows multiplied); the AVX2 build's tile */
-static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P0, const float *P1, float *y, int64_t ldy,
-                     int acc) {
+static inline __attribute__((always_inline, unused)) void kern6x16_w(int64_t mr, const float *A, int64_t kc,
+                                                                     const void *P0, const void *P1, float *y,
+                                                                     int64_t ldy, int acc, int wt) {
     switch (mr) {
-    case 6: kern_rows(6, A, kc, P0, P1, y, ldy, acc); break;
-    case 5: kern_rows(5, A, kc, P0, P1, y, ldy, acc); break;
-    case 4: kern_rows(4, A, kc, P0, P1, y, ldy, acc); break;
-    case 3: kern_rows(3, A, kc, P0, P1, y, ldy, acc); break;
-    case 2: kern_rows(2, A, kc, P0, P1, y, ldy, acc); break;
-    default: kern_rows(1, A, kc, P0, P1, y, ldy, acc); break;
+    case 6: kern_rows(6, A, kc, P0, P1, y, ldy, acc, wt); break;
+    case 5: kern_rows(5, A, kc, P0, P1, y, ldy, acc, wt); break;
+    case 4: kern_rows(4, A, kc, P0, P1, y, ldy, acc, wt); break;
+    case 3: kern_rows(3, A, kc, P0, P1, y, ldy, acc, wt); break;
+    case 2: kern_rows(2, A, kc, P0, P1, y, ldy, acc, wt); break;
+    default: kern_rows(1, A, kc, P0, P1, y, ldy, acc, wt); break;
+    }
+}
+
+static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t kc, const void *P0, const void *P1,
+                                             float *y, int64_t ldy, int acc, int wt) {
+    switch (wt) {
+    case W_BF16: kern6x16_w(mr, A, kc, P0, P1, y, ldy, acc, W_BF16); break;
+    case W_F16: kern6x16_w(mr, A, kc, P0, P1, y, ldy, acc, W_F16); break;
+    default: kern6x16_w(mr, A, kc, P0, P1, y, ldy, acc, W_F32); break;
     }
 }
 
@@ -754,14 +821,14 @@ static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t
         _mm512_storeu_ps(y + i * ldy, c##i##0), _mm512_storeu_ps(y + i * ldy + 16, c##i##1);                   \
     }
 static inline __attribute__((always_inline)) void kern_rows32(int mr, const float *A, int64_t kc,
-                                                              const float *const P[4], float *y, int64_t ldy,
-                                                              int acc) {
+                                                              const void *const P[4], float *y, int64_t ldy,
+                                                              int acc, int wt) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *P0 = P[0], *P1 = P[1], *P2 = P[2], *P3 = P[3];
+    const void *P0 = P[0], *P1 = P[1], *P2 = P[2], *P3 = P[3];
     for (int64_t k = 0; k < kc; k++, A += 6) {
-        __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P0 + 8 * k)), _mm256_loadu_ps(P1 + 8 * k), 1);
-        __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P2 + 8 * k)), _mm256_loadu_ps(P3 + 8 * k), 1);
+        __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(load8w(P0, 8 * k, wt)), load8w(P1, 8 * k, wt), 1);
+        __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(load8w(P2, 8 * k, wt)), load8w(P3, 8 * k, wt), 1);
         KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
     }
     KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
@@ -769,14 +836,25 @@ static inline __attribute__((always_inline)) void kern_rows32(int mr, const floa
 #undef KROW
 #undef KOUT
 
-static void kern6x32(int64_t mr, const float *A, int64_t kc, const float *const P[4], float *y, int64_t ldy, int acc) {
+static inline __attribute__((always_inline)) void kern6x32_w(int64_t mr, const float *A, int64_t kc,
+                                                             const void *const P[4], float *y, int64_t ldy, int acc,
+                                                             int wt) {
     switch (mr) {
-    case 6: kern_rows32(6, A, kc, P, y, ldy, acc); break;
-    case 5: kern_rows32(5, A, kc, P, y, ldy, acc); break;
-    case 4: kern_rows32(4, A, kc, P, y, ldy, acc); break;
-    case 3: kern_rows32(3, A, kc, P, y, ldy, acc); break;
-    case 2: kern_rows32(2, A, kc, P, y, ldy, acc); break;
-    default: kern_rows32(1, A, kc, P, y, ldy, acc); break;
+    case 6: kern_rows32(6, A, kc, P, y, ldy, acc, wt); break;
+    case 5: kern_rows32(5, A, kc, P, y, ldy, acc, wt); break;
+    case 4: kern_rows32(4, A, kc, P, y, ldy, acc, wt); break;
+    case 3: kern_rows32(3, A, kc, P, y, ldy, acc, wt); break;
+    case 2: kern_rows32(2, A, kc, P, y, ldy, acc, wt); break;
+    default: kern_rows32(1, A, kc, P, y, ldy, acc, wt); break;
+    }
+}
+
+static void kern6x32(int64_t mr, const float *A, int64_t kc, const void *const P[4], float *y, int64_t ldy, int acc,
+                     int wt) {
+    switch (wt) {
+    case W_BF16: kern6x32_w(mr, A, kc, P, y, ldy, acc, W_BF16); break;
+    case W_F16: kern6x32_w(mr, A, kc, P, y, ldy, acc, W_F16); break;
+    default: kern6x32_w(mr, A, kc, P, y, ldy, acc, W_F32); break;
     }
 }
 #define KERN_PANELS 4
@@ -807,9 +885,12 @@ static void pack_x_range(void *p, int64_t begin, int64_t end) {
 }
 
 typedef struct {
-    const float *A, *w, *bias;
+    const float *A;
+    const void *w; /* panels of kind wt */
+    const float *bias;
     float *y;
     int64_t M, N, K, blocks; /* blocks: PACK_MC-row blocks of M */
+    int wt;
 } blocked_ctx;
 
 /* items are (panel group, row block) pairs, row block inner */
@@ -826,9 +907,9 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
             int64_t kc = K - k0 < kcs ? K - k0 : kcs;
             for (int64_t q = q0; q < q1; q += KERN_PANELS) {
                 int64_t nj = q * 8, cols = N - nj < KERN_COLS ? N - nj : KERN_COLS;
-                const float *P[KERN_PANELS];
+                const void *P[KERN_PANELS];
                 for (int j = 0; j < KERN_PANELS; j++) /* a panel past the last: its columns are dropped */
-                    P[j] = c->w + (q + j < q1 ? nj + 8 * j : nj) * K + k0 * 8;
+                    P[j] = wat(c->w, (q + j < q1 ? nj + 8 * j : nj) * K + k0 * 8, c->wt);
                 for (int64_t t = t0; t < t1; t++) {
                     int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
                     const float *At = c->A + t * PANEL_X(K) + k0 * 6;
@@ -839,9 +920,9 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
                         for (int64_t i = 0; i < mr; i++)
                             memcpy(tile + i * KERN_COLS, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
 #if PLINTH_AVX512
-                    kern6x32(mr, At, kc, P, out, ldy, k0 > 0);
+                    kern6x32(mr, At, kc, P, out, ldy, k0 > 0, c->wt);
 #else
-                    kern6x16(mr, At, kc, P[0], P[1], out, ldy, k0 > 0);
+                    kern6x16(mr, At, kc, P[0], P[1], out, ldy, k0 > 0, c->wt);
 #endif
                     if (cols < KERN_COLS)
                         for (int64_t i = 0; i < mr; i++)
@@ -862,7 +943,8 @@ static float *packed_x;
 static size_t packed_x_cap;
 
 /* Returns 0, or -1 when there was no memory for the packed activations (nothing written). */
-static int gemm_blocked(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+static int gemm_blocked(const float *x, const void *P, int wt, const float *bias, float *y, int64_t M, int64_t N,
+                        int64_t K) {
     int64_t tiles = (M + 5) / 6;
     size_t need = (size_t)tiles * (size_t)PANEL_X(K);
     if (packed_x_cap < need) {
@@ -874,19 +956,33 @@ static int gemm_blocked(const float *x, const float *P, const float *bias, float
     pack_x_ctx px = {x, packed_x, M, K};
     parallel_for(pack_x_range, &px, tiles, grain_for(tiles, 4));
     int64_t groups = ((N + 7) / 8 + PACK_GP - 1) / PACK_GP, blocks = (tiles + PACK_MC / 6 - 1) / (PACK_MC / 6);
-    blocked_ctx c = {packed_x, P, bias, y, M, N, K, blocks};
+    blocked_ctx c = {packed_x, P, bias, y, M, N, K, blocks, wt};
     parallel_for(gemm_blocked_range, &c, groups * blocks, 1); /* items are ~10-100 us: claim one at a time, so threads finish together */
     return 0;
+}
+
+static void gemm_panels(const float *x, const void *P, int wt, const float *bias, float *y, int64_t M, int64_t N,
+                        int64_t K) {
+    int blocked = M >= BLOCKED_MIN_ROWS || (M >= BLOCKED_WIDE_MIN_ROWS && N >= BLOCKED_WIDE_N);
+    if (blocked && gemm_blocked(x, P, wt, bias, y, M, N, K) == 0) return;
+    gemm_ctx c = {x, NULL, bias, y, M, N, K, P, wt}; /* few rows, or no memory to pack: the 4x24 tiles need none */
+    int64_t panels = (N + 7) / 8;
+    parallel_for(gemm_panels_range, &c, panels, grain_for(panels, 6));
 }
 
 /* y[M, N] = x[M, K] @ w^T + b for a weight laid out by plinth_pack_f32_panels (K a multiple of 8) */
 void plinth_gemm_f32_panels(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N,
                             int64_t K) {
-    int blocked = M >= BLOCKED_MIN_ROWS || (M >= BLOCKED_WIDE_MIN_ROWS && N >= BLOCKED_WIDE_N);
-    if (blocked && gemm_blocked(x, P, bias, y, M, N, K) == 0) return;
-    gemm_ctx c = {x, P, bias, y, M, N, K}; /* few rows, or no memory to pack: the 4x24 tiles need none */
-    int64_t panels = (N + 7) / 8;
-    parallel_for(gemm_panels_range, &c, panels, grain_for(panels, 6));
+    gemm_panels(x, P, W_F32, bias, y, M, N, K);
+}
+
+/* The same for 16-bit panels (wt: 1 bf16, 2 fp16; the layout of plinth_pack_f32_panels, 2-byte
+ * elements): the sums of the fp32 panels of the same values, bit for bit. -1 for an unknown wt. */
+int plinth_gemm_panels16(int wt, const float *x, const void *P, const float *bias, float *y, int64_t M, int64_t N,
+                         int64_t K) {
+    if (wt != W_BF16 && wt != W_F16) return -1;
+    gemm_panels(x, P, wt, bias, y, M, N, K);
+    return 0;
 }
 
 

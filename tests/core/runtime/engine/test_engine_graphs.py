@@ -61,6 +61,41 @@ def test_graphs_generate_the_eager_tokens(folder: Path, quantization: str) -> No
     assert outputs[False] == outputs[True]
 
 
+@pytest.mark.skipif(native() is None, reason=native_status())
+def test_a_bf16_checkpoint_keeps_its_16_bits_and_the_fp32_results(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint stored in bf16, run as an fp32 model on the cpu backend, keeps its linear weights in
+    bf16 panels (half the bytes a decode step reads) and generates the same tokens and logprobs, bit for
+    bit, as with the weights cast to fp32 panels (PLINTH_CPU_KEEP_16BIT=0), in graphs and eagerly."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(bf16, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, bf16 / name)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in MAX_TOKENS]
+    runs = {}
+    for keep in ("1", "0"):
+        monkeypatch.setenv("PLINTH_CPU_KEEP_16BIT", keep)
+        for eager in (False, True):
+            llm = LLM(model=str(bf16), backend="cpu", num_kv_blocks=128, block_size=16, enforce_eager=eager)
+            proj = llm.engine.model.layers[0].mlp.gate_up_proj.weight
+            panels = proj.data["panels"]
+            kept = ("w16_panels", torch.bfloat16) if keep == "1" else ("f32_panels", torch.float32)
+            assert (proj.format, panels.dtype) == kept
+            outs = llm.generate(PROMPTS, params)
+            runs[keep, eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+            if not eager:
+                assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.stats.replays > 0
+    for key, run in runs.items():
+        assert run == runs["0", True], f"keep={key[0]} eager={key[1]} differs from fp32 panels, eager"
+    assert [len(t) for t, _ in runs["1", False]] == MAX_TOKENS
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(native() is None, reason=native_status())
 def test_graphs_generate_the_eager_tokens_on_the_default_model() -> None:
