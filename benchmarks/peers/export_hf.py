@@ -6,7 +6,7 @@ in fp32: the Q4_1 tensors dequantized, q/k rows un-permuted back to Hugging Face
 tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with the chat template,
 ``special_tokens_map.json``).
 
-    .venv/bin/python benchmarks/peers/export_hf.py [--model FILE.gguf] [--out DIR] [--check]
+    .venv/bin/python benchmarks/peers/export_hf.py [--model FILE.gguf] [--out DIR] [--dtype D] [--check]
 
 ``--check`` loads the folder with transformers and greedy-decodes a prompt, and compares the first
 tokens with plinth's on the same GGUF (fp32, reference backend).
@@ -27,7 +27,7 @@ CHECK_PROMPT = "The capital of France is"
 CHECK_TOKENS = 16
 
 
-def _hf_config(cfg: Any) -> dict[str, Any]:
+def _hf_config(cfg: Any, dtype: str = "float32") -> dict[str, Any]:
     """A transformers ``config.json`` for a plinth :class:`ModelConfig` of the Llama family."""
     if cfg.architecture != "LlamaForCausalLM":
         raise SystemExit(f"only LlamaForCausalLM is exported, not {cfg.architecture}")
@@ -59,12 +59,13 @@ def _hf_config(cfg: Any) -> dict[str, Any]:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos,
         "pad_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
 
 
-def export(model: str | None, out: Path) -> Path:
-    """Write the Hugging Face folder for ``model`` (None: plinth's default GGUF) to ``out``."""
+def export(model: str | None, out: Path, dtype: str = "float32") -> Path:
+    """Write the Hugging Face folder for ``model`` (None: plinth's default GGUF) to ``out``, its
+    tensors in ``dtype`` ("bfloat16": the fp32 values rounded to nearest, as a bf16 checkpoint)."""
     import torch
     from safetensors.torch import save_file
 
@@ -80,12 +81,12 @@ def export(model: str | None, out: Path) -> Path:
 
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in gguf_weights(GGUFFile(source.path), config):
-        tensors[name] = tensor.to(torch.float32).contiguous()
+        tensors[name] = tensor.to(torch.float32).to(getattr(torch, dtype)).contiguous()
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # tied: transformers and vllm take it from embed_tokens
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    hf_cfg = _hf_config(config)
+    hf_cfg = _hf_config(config, dtype)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": hf_cfg["eos_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
@@ -156,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file (default: plinth's default model)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="tensor dtype")
     p.add_argument("--check", action="store_true", help="compare greedy tokens of transformers and plinth")
     args = p.parse_args(argv)
-    out = export(args.model, args.out)
+    out = export(args.model, args.out, args.dtype)
     print(f"wrote {out}")
     if args.check and not check(args.model, out):
         return 1

@@ -101,6 +101,24 @@ class _DropsKTail(ReferenceGemm):
         return out if weight.bias is None else out + weight.bias
 
 
+class _StoredBf16ComputedInBf16(ReferenceGemm):
+    """Takes bf16 weights as stored (plugin API 1.14) and then multiplies in bf16: the bug is the
+    activations rounded to the weight's dtype, where the model's fp32 product was due."""
+
+    stored_dtypes = frozenset({torch.bfloat16})
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
+        if weight.dtype != torch.bfloat16:
+            return super().prepare(weight, bias)
+        return LinearWeight(weight.shape[0], weight.shape[1], weight.contiguous(), bias)
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        assert weight.weight is not None
+        w = weight.weight
+        bias = None if weight.bias is None else weight.bias.to(w.dtype)
+        return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
+
+
 class _BlockGemm(ReferenceGemm):
     """Keeps q4_1/q8_0 blocks as they are; ``linear`` decodes them with ``values`` and multiplies
     ``activations(x)`` in fp32. As is, a correct (if slow) native-format GEMM."""
@@ -449,6 +467,13 @@ class DeclaresNothingBackend(_Broken):
         return Capabilities(frozenset(), frozenset(), frozenset(), ())
 
 
+class StoredBf16InBf16Backend(_Broken):
+    """Lists bf16 in its fp32 GEMM's stored_dtypes (API 1.14) and computes such weights in bf16."""
+
+    name = "broken_stored_bf16_in_bf16"
+    gemm_cls = _StoredBf16ComputedInBf16
+
+
 class SpmdWithoutStepsBackend(_Broken):
     """Declares SPMD tensor parallelism (API 1.12) but compiles no static-shape steps."""
 
@@ -495,6 +520,7 @@ BROKEN: dict[str, type[_Broken]] = {
         DeclaresNothingBackend,
         SpmdWithoutStepsBackend,
         OneDeviceForEveryRankBackend,
+        StoredBf16InBf16Backend,
         QuantOkBackend,
         QuantRoundsActivationsBackend,
         QuantIgnoresMinBackend,
@@ -520,6 +546,7 @@ accepts_anything = PLUGINS["broken_accepts_anything"]
 declares_nothing = PLUGINS["broken_declares_nothing"]
 spmd_without_steps = PLUGINS["broken_spmd_without_steps"]
 one_device_for_every_rank = PLUGINS["broken_one_device_for_every_rank"]
+stored_bf16_in_bf16 = PLUGINS["broken_stored_bf16_in_bf16"]
 quant_ok = PLUGINS["quant_ok"]
 quant_rounds_activations = PLUGINS["quant_rounds_activations"]
 q4_1_min = PLUGINS["broken_q4_1_min"]

@@ -43,6 +43,7 @@ def _write_dist(root: Path) -> None:
         "declares_nothing",
         "spmd_without_steps",
         "one_device_for_every_rank",
+        "stored_bf16_in_bf16",
         "q4_1_min",
         "nibble_order",
         "stale_residual",
@@ -118,6 +119,18 @@ def test_gemm_dropping_the_k_tail_fails_only_unaligned_shapes(pytester: pytest.P
         "gemm-f32-33x255x513-bias-w-transposed",
     }, failed
     assert all("relative error" in m and "worst at row" in m for m in failed.values())
+
+
+def test_gemm_computing_stored_bf16_weights_in_bf16_fails(pytester: pytest.Pytester, broken_site: Path) -> None:
+    """A GEMM taking bf16 weights as stored (API 1.14) owes the fp32 model's product: one that rounds
+    the activations to bf16 fails the stored-dtype case; the reference backend (no stored dtypes)
+    skips it with the reason."""
+    result = _run(pytester, "broken_stored_bf16_in_bf16", "core", "stored")
+    result.stdout.fnmatch_lines(["*[[]gemm-stored-bfloat16-in-float32-1x96x45[]]*relative error*"])
+    assert result.ret != 0
+    skipped = _run(pytester, "reference", "core", "stored")
+    skipped.stdout.fnmatch_lines(["*1 skipped*"])
+    assert skipped.ret == 0
 
 
 def test_kv_write_ignoring_the_padding_sentinel_fails(pytester: pytest.Pytester, broken_site: Path) -> None:

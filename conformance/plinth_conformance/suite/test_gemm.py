@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from plinth.platform.backend import Backend, torch_dtype
@@ -75,3 +76,42 @@ def test_gemm(plinth_backend: Backend, gemm_case: GemmCase, record_tolerance: Ca
         row, col = divmod(verdict.worst_index, case.n)
         where = f"; worst at row {row}, column {col} (M={case.m}, K={case.k}, N={case.n})"
     assert verdict.ok, verdict.message(case.id) + where
+
+
+#: (M, K, N) of the stored-dtype cases: a decode row, an unaligned K, a prefill-sized product.
+STORED_SHAPES = ((1, 96, 45), (7, 255, 33), (100, 512, 200))
+
+
+def test_gemm_takes_weights_as_stored(plinth_backend: Backend) -> None:
+    """Plugin API 1.14: a GEMM listing ``stored_dtypes`` gets such weights as the checkpoint stored
+    them (a bf16 weight in an fp32 model) and must compute the model's product of their values: the
+    output in the model's dtype, within the bounds of the fp64 product of the stored values, and
+    the weight left as it was. Run for every declared dtype whose GEMM lists another stored dtype."""
+    ran = []
+    for dtype in sorted(plinth_backend.capabilities().dtypes):
+        gemm = declared_gemm(plinth_backend, dtype, f"gemm-stored-{dtype}")
+        model_dtype = torch_dtype(dtype)
+        device = plinth_backend.device_services().device
+        for stored in sorted(gemm.stored_dtypes - {model_dtype}, key=str):
+            for m, k, n in STORED_SHAPES:
+                case_id = f"gemm-stored-{str(stored).removeprefix('torch.')}-in-{dtype}-{m}x{k}x{n}"
+                gen = torch.Generator().manual_seed(m * 1000 + k + n)
+                w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(stored)
+                x, b = torch.randn(m, k, generator=gen).to(model_dtype), torch.randn(n, generator=gen).to(model_dtype)
+                w_in = w.to(device)
+                w_bits = bits(w_in).clone()
+                with kernel_call(case_id, "prepare()"):
+                    weight = gemm.prepare(w_in, b.to(device))
+                with kernel_call(case_id, "linear()"):
+                    out = gemm.linear(x.to(device), weight)
+                    plinth_backend.device_services().synchronize()
+                assert torch.equal(bits(w_in), w_bits), f"[{case_id}] prepare() modified the weight it was given"
+                assert out.dtype == model_dtype, f"[{case_id}] output dtype {out.dtype}, expected {model_dtype}"
+                gold = x.double() @ w.double().t() + b.double()
+                ref = ReferenceGemm(model_dtype)
+                naive = ref.linear(x, ref.prepare(w.to(model_dtype), b))
+                verdict = compare(out.cpu(), gold, naive, k)
+                assert verdict.ok, verdict.message(case_id)
+                ran.append(case_id)
+    if not ran:
+        pytest.skip("no GEMM lists a stored dtype other than its own (GemmKernels.stored_dtypes, plugin API 1.14)")
