@@ -54,7 +54,11 @@ def assert_matches(out: RequestOutput, reference: torch.Tensor, top: int = TOP) 
         row = reference[p - 1]
         assert entry.token_id == prompt[p]
         assert entry.logprob == pytest.approx(float(row[prompt[p]]), abs=ATOL), f"position {p}"
-        assert entry.rank == int((row > row[prompt[p]]).sum()) + 1
+        # the rank counts the tokens above this one: those within the tolerance of it may fall on either
+        # side (at rank ~1900 of 49152 random logits, neighbours ~1e-5 apart: seen at 1919 vs 1918)
+        value = float(row[prompt[p]])
+        surely_above, maybe_above = int((row > value + ATOL).sum()), int((row > value - ATOL).sum())
+        assert surely_above + 1 <= entry.rank <= maybe_above, f"position {p}: rank {entry.rank}"  # (itself counted)
         values, ids = row.topk(top)
         assert len(entry.top) == top
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=ATOL)
