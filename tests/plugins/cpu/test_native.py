@@ -147,11 +147,13 @@ def test_gemm_panels16_equal_fp32_panels(
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 48, 95])  # from 48 rows an output this wide takes the blocked path
-def test_gemm_panels16_wide_output(nk: NativeKernels, m: int) -> None:
-    """An lm_head-wide bf16 weight (16389 outputs, a partial last panel) equals its fp32 panels."""
-    gen = torch.Generator().manual_seed(m + 5)
-    x, w = torch.randn(m, 64, generator=gen), torch.randn(16389, 64, generator=gen).to(torch.bfloat16)
+@pytest.mark.parametrize("m", [1, 48, 100])  # from 48 rows an output this wide takes the blocked path
+@pytest.mark.parametrize("k", [64, 264])  # 264: over 16 MiB as fp32, widened block by block in the items
+def test_gemm_panels16_wide_output(nk: NativeKernels, m: int, k: int) -> None:
+    """An lm_head-wide bf16 weight (16389 outputs, a partial last panel) equals its fp32 panels, on
+    the blocked path both when the whole weight is widened once and when each item widens its block."""
+    gen = torch.Generator().manual_seed(m + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(16389, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(16389, generator=gen)
     want = nk.gemm_f32_panels(x, nk.pack_f32(w.float()), b, 16389)
     assert torch.equal(nk.gemm_panels16(x, nk.pack_16(w), b, 16389), want)

@@ -438,6 +438,22 @@ static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64
 }
 #endif
 
+/* n (a multiple of 8) weights of kind wt from src as fp32 into dst */
+static inline __attribute__((always_inline)) void widen_w(const void *src, float *dst, int64_t n, int wt) {
+    int64_t i = 0;
+#if PLINTH_AVX512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16w(src, i, wt));
+#endif
+    for (; i < n; i += 8) _mm256_storeu_ps(dst + i, load8w(src, i, wt));
+}
+
+static void widen(const void *src, float *dst, int64_t n, int wt) {
+    if (wt == W_BF16)
+        widen_w(src, dst, n, W_BF16);
+    else
+        widen_w(src, dst, n, W_F16);
+}
+
 typedef struct {
     const float *x, *w, *bias;
     float *y;
@@ -696,6 +712,7 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
     int64_t chunks = M <= 4 ? 1 : (K + PANEL_KC - 1) / PANEL_KC, kcs = (K / chunks + 7) / 8 * 8;
     int wt = c->wt;
     int64_t per_line = 64 / (int64_t)wsize(wt); /* elements in a cache line */
+    float wide[3 * PANEL_KC * 8] __attribute__((aligned(64))); /* a 16-bit tile's 3 panels of one K block */
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
         int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M, groups = (m1 - m0 + 3) / 4;
         int prefetch = groups >= PANEL_PREFETCH_GROUPS;
@@ -717,11 +734,16 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
                     lines = kcs * 8 / per_line;
                 }
                 int64_t share = (lines + groups - 1) / groups, l0 = 0;
+                int tile_wt = wt; /* 16-bit panels: widened in registers for one row group, else once here */
+                if (wt != W_F32 && groups > 1) {
+                    for (int j = 0; j < 3; j++) widen(P[j], wide + j * kc * 8, kc * 8, wt), P[j] = wide + j * kc * 8;
+                    tile_wt = W_F32;
+                }
                 for (int64_t m = m0; m < m1; m += 4, l0 += share) {
                     for (int64_t l = l0; l < l0 + share && l < lines; l++)
                         for (int j = 0; j < 3; j++) _mm_prefetch((const char *)next[j] + l * 64, _MM_HINT_T0);
                     panel_tile_rows(m1 - m < 4 ? m1 - m : 4, c->x + m * K + k0, K, P, kc, c->y + m * N, N, col, k0 > 0,
-                                    bias, wt);
+                                    bias, tile_wt);
                 }
             }
         }
@@ -765,12 +787,12 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
         }                                                                                                      \
         _mm256_storeu_ps(y + i * ldy, c##i##0), _mm256_storeu_ps(y + i * ldy + 8, c##i##1);                    \
     }
-static inline __attribute__((always_inline)) void kern_rows(int mr, const float *A, int64_t kc, const void *P0,
-                                                            const void *P1, float *y, int64_t ldy, int acc, int wt) {
+static inline __attribute__((always_inline)) void kern_rows(int mr, const float *A, int64_t kc, const float *P0,
+                                                            const float *P1, float *y, int64_t ldy, int acc) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t k = 0; k < kc; k++, A += 6) {
-        __m256 b0 = load8w(P0, 8 * k, wt), b1 = load8w(P1, 8 * k, wt);
+        __m256 b0 = _mm256_loadu_ps(P0 + 8 * k), b1 = _mm256_loadu_ps(P1 + 8 * k);
         KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
     }
     KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
@@ -779,25 +801,15 @@ static inline __attribute__((always_inline)) void kern_rows(int mr, const float 
 #undef KOUT
 
 /* kern_rows for any mr in 1..6 (the last rows of x need no zero rows multiplied); the AVX2 build's tile */
-static inline __attribute__((always_inline, unused)) void kern6x16_w(int64_t mr, const float *A, int64_t kc,
-                                                                     const void *P0, const void *P1, float *y,
-                                                                     int64_t ldy, int acc, int wt) {
+static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t kc, const float *P0, const float *P1, float *y, int64_t ldy,
+                     int acc) {
     switch (mr) {
-    case 6: kern_rows(6, A, kc, P0, P1, y, ldy, acc, wt); break;
-    case 5: kern_rows(5, A, kc, P0, P1, y, ldy, acc, wt); break;
-    case 4: kern_rows(4, A, kc, P0, P1, y, ldy, acc, wt); break;
-    case 3: kern_rows(3, A, kc, P0, P1, y, ldy, acc, wt); break;
-    case 2: kern_rows(2, A, kc, P0, P1, y, ldy, acc, wt); break;
-    default: kern_rows(1, A, kc, P0, P1, y, ldy, acc, wt); break;
-    }
-}
-
-static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t kc, const void *P0, const void *P1,
-                                             float *y, int64_t ldy, int acc, int wt) {
-    switch (wt) {
-    case W_BF16: kern6x16_w(mr, A, kc, P0, P1, y, ldy, acc, W_BF16); break;
-    case W_F16: kern6x16_w(mr, A, kc, P0, P1, y, ldy, acc, W_F16); break;
-    default: kern6x16_w(mr, A, kc, P0, P1, y, ldy, acc, W_F32); break;
+    case 6: kern_rows(6, A, kc, P0, P1, y, ldy, acc); break;
+    case 5: kern_rows(5, A, kc, P0, P1, y, ldy, acc); break;
+    case 4: kern_rows(4, A, kc, P0, P1, y, ldy, acc); break;
+    case 3: kern_rows(3, A, kc, P0, P1, y, ldy, acc); break;
+    case 2: kern_rows(2, A, kc, P0, P1, y, ldy, acc); break;
+    default: kern_rows(1, A, kc, P0, P1, y, ldy, acc); break;
     }
 }
 
@@ -821,14 +833,14 @@ static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t
         _mm512_storeu_ps(y + i * ldy, c##i##0), _mm512_storeu_ps(y + i * ldy + 16, c##i##1);                   \
     }
 static inline __attribute__((always_inline)) void kern_rows32(int mr, const float *A, int64_t kc,
-                                                              const void *const P[4], float *y, int64_t ldy,
-                                                              int acc, int wt) {
+                                                              const float *const P[4], float *y, int64_t ldy,
+                                                              int acc) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const void *P0 = P[0], *P1 = P[1], *P2 = P[2], *P3 = P[3];
+    const float *P0 = P[0], *P1 = P[1], *P2 = P[2], *P3 = P[3];
     for (int64_t k = 0; k < kc; k++, A += 6) {
-        __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(load8w(P0, 8 * k, wt)), load8w(P1, 8 * k, wt), 1);
-        __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(load8w(P2, 8 * k, wt)), load8w(P3, 8 * k, wt), 1);
+        __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P0 + 8 * k)), _mm256_loadu_ps(P1 + 8 * k), 1);
+        __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P2 + 8 * k)), _mm256_loadu_ps(P3 + 8 * k), 1);
         KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
     }
     KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
@@ -836,25 +848,14 @@ static inline __attribute__((always_inline)) void kern_rows32(int mr, const floa
 #undef KROW
 #undef KOUT
 
-static inline __attribute__((always_inline)) void kern6x32_w(int64_t mr, const float *A, int64_t kc,
-                                                             const void *const P[4], float *y, int64_t ldy, int acc,
-                                                             int wt) {
+static void kern6x32(int64_t mr, const float *A, int64_t kc, const float *const P[4], float *y, int64_t ldy, int acc) {
     switch (mr) {
-    case 6: kern_rows32(6, A, kc, P, y, ldy, acc, wt); break;
-    case 5: kern_rows32(5, A, kc, P, y, ldy, acc, wt); break;
-    case 4: kern_rows32(4, A, kc, P, y, ldy, acc, wt); break;
-    case 3: kern_rows32(3, A, kc, P, y, ldy, acc, wt); break;
-    case 2: kern_rows32(2, A, kc, P, y, ldy, acc, wt); break;
-    default: kern_rows32(1, A, kc, P, y, ldy, acc, wt); break;
-    }
-}
-
-static void kern6x32(int64_t mr, const float *A, int64_t kc, const void *const P[4], float *y, int64_t ldy, int acc,
-                     int wt) {
-    switch (wt) {
-    case W_BF16: kern6x32_w(mr, A, kc, P, y, ldy, acc, W_BF16); break;
-    case W_F16: kern6x32_w(mr, A, kc, P, y, ldy, acc, W_F16); break;
-    default: kern6x32_w(mr, A, kc, P, y, ldy, acc, W_F32); break;
+    case 6: kern_rows32(6, A, kc, P, y, ldy, acc); break;
+    case 5: kern_rows32(5, A, kc, P, y, ldy, acc); break;
+    case 4: kern_rows32(4, A, kc, P, y, ldy, acc); break;
+    case 3: kern_rows32(3, A, kc, P, y, ldy, acc); break;
+    case 2: kern_rows32(2, A, kc, P, y, ldy, acc); break;
+    default: kern_rows32(1, A, kc, P, y, ldy, acc); break;
     }
 }
 #define KERN_PANELS 4
@@ -899,6 +900,9 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
     int64_t M = c->M, N = c->N, K = c->K, tiles = (M + 5) / 6, panels = (N + 7) / 8;
     int64_t chunks = (K + PACK_KC - 1) / PACK_KC, kcs = (K / chunks + 7) / 8 * 8;
     float tile[6 * KERN_COLS];
+    /* 16-bit panels: the fp32 values of the KERN_PANELS panels' current K block (kcs <= PACK_KC),
+     * widened once for the item's row tiles: 4 x 768 x 8 floats (96 KiB) at most, read from L2 */
+    float wide[KERN_PANELS * PACK_KC * 8] __attribute__((aligned(64)));
     for (int64_t item = begin; item < end; item++) {
         int64_t group = item / c->blocks, block = item % c->blocks;
         int64_t q0 = group * PACK_GP, q1 = q0 + PACK_GP < panels ? q0 + PACK_GP : panels;
@@ -907,9 +911,16 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
             int64_t kc = K - k0 < kcs ? K - k0 : kcs;
             for (int64_t q = q0; q < q1; q += KERN_PANELS) {
                 int64_t nj = q * 8, cols = N - nj < KERN_COLS ? N - nj : KERN_COLS;
-                const void *P[KERN_PANELS];
-                for (int j = 0; j < KERN_PANELS; j++) /* a panel past the last: its columns are dropped */
-                    P[j] = wat(c->w, (q + j < q1 ? nj + 8 * j : nj) * K + k0 * 8, c->wt);
+                const float *P[KERN_PANELS];
+                for (int j = 0; j < KERN_PANELS; j++) { /* a panel past the last: its columns are dropped */
+                    const void *src = wat(c->w, (q + j < q1 ? nj + 8 * j : nj) * K + k0 * 8, c->wt);
+                    if (c->wt == W_F32) {
+                        P[j] = (const float *)src;
+                    } else { /* 16-bit panels: this block widened once for the item's row tiles */
+                        P[j] = wide + j * kc * 8;
+                        widen(src, wide + j * kc * 8, kc * 8, c->wt);
+                    }
+                }
                 for (int64_t t = t0; t < t1; t++) {
                     int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
                     const float *At = c->A + t * PANEL_X(K) + k0 * 6;
@@ -920,9 +931,9 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
                         for (int64_t i = 0; i < mr; i++)
                             memcpy(tile + i * KERN_COLS, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
 #if PLINTH_AVX512
-                    kern6x32(mr, At, kc, P, out, ldy, k0 > 0, c->wt);
+                    kern6x32(mr, At, kc, P, out, ldy, k0 > 0);
 #else
-                    kern6x16(mr, At, kc, P[0], P[1], out, ldy, k0 > 0, c->wt);
+                    kern6x16(mr, At, kc, P[0], P[1], out, ldy, k0 > 0);
 #endif
                     if (cols < KERN_COLS)
                         for (int64_t i = 0; i < mr; i++)
@@ -943,9 +954,45 @@ static float *packed_x;
 static size_t packed_x_cap;
 
 /* Returns 0, or -1 when there was no memory for the packed activations (nothing written). */
+/* 16-bit panels up to this many fp32 bytes are widened whole once per prefill-sized call (a layer's
+ * weight: ~0.2% of the product's work at 512 rows) and multiplied as fp32 panels; wider ones (an
+ * lm_head) block by block in each item, which re-widens a block for every 48-row block of x. */
+#define WIDEN_WHOLE_MAX_BYTES (16 << 20)
+
+typedef struct {
+    const void *src;
+    float *dst;
+    int wt;
+} widen_ctx;
+
+/* items are runs of 8 * 64 elements */
+static void widen_range(void *p, int64_t begin, int64_t end) {
+    widen_ctx *c = (widen_ctx *)p;
+    widen(wat(c->src, begin * 512, c->wt), c->dst + begin * 512, (end - begin) * 512, c->wt);
+}
+
+/* the fp32 copy of whole 16-bit panels, grown on demand (kernel calls come from one thread at a time) */
+static float *widened;
+static size_t widened_cap;
+
 static int gemm_blocked(const float *x, const void *P, int wt, const float *bias, float *y, int64_t M, int64_t N,
                         int64_t K) {
     int64_t tiles = (M + 5) / 6;
+    size_t elements = (size_t)((N + 7) / 8) * 8 * (size_t)K; /* a multiple of 64: K is of 8 */
+    if (wt != W_F32 && elements * sizeof(float) <= WIDEN_WHOLE_MAX_BYTES) {
+        if (widened_cap < elements) {
+            free(widened);
+            widened = (float *)aligned_alloc(64, elements * sizeof(float));
+            widened_cap = widened ? elements : 0;
+        }
+        if (widened) { /* else: widened block by block in the items */
+            int64_t runs = (int64_t)((elements + 511) / 512), last = (int64_t)(elements % 512);
+            widen_ctx wc = {P, widened, wt};
+            parallel_for(widen_range, &wc, last ? runs - 1 : runs, grain_for(runs, 16));
+            if (last) widen(wat(P, (runs - 1) * 512, wt), widened + (runs - 1) * 512, last, wt);
+            P = widened, wt = W_F32;
+        }
+    }
     size_t need = (size_t)tiles * (size_t)PANEL_X(K);
     if (packed_x_cap < need) {
         free(packed_x);
