@@ -108,7 +108,8 @@ def gguf_weights(
     """``(hf_name, weight)`` for every model weight in the file, q/k un-permuted.
 
     Matrices stored in a format named in ``keep_quantized`` ("q4_1", "q8_0") come as their raw
-    :class:`QuantizedWeight` blocks; everything else is dequantized to fp32.
+    :class:`QuantizedWeight` blocks; F16 and BF16 tensors in their own dtype (the model casts what
+    its GEMM does not take as stored); everything else is dequantized to fp32.
     """
     arch = str(gguf.metadata.get("general.architecture"))
     permuted = arch in _PERMUTED_ARCHS
@@ -127,7 +128,7 @@ def gguf_weights(
                 yield from ((target.format(e=e), w) for e, w in enumerate(experts))
             continue
         quantized = gguf.quantized(name) if keep else None
-        tensor: torch.Tensor | QuantizedWeight = gguf.tensor(name) if quantized is None else quantized
+        tensor: torch.Tensor | QuantizedWeight = gguf.tensor(name, as_stored=True) if quantized is None else quantized
         if isinstance(tensor, torch.Tensor) and target.endswith(".mlp.shared_expert_gate.weight") and tensor.ndim == 1:
             tensor = tensor[None, :]  # llama.cpp stores the [1, H] shared-expert gate as [H]
         heads = None

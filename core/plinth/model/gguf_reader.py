@@ -211,10 +211,17 @@ class GGUFFile:
 
     # -- tensors -----------------------------------------------------------------------------------
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` dequantized to fp32 (a fresh tensor, not a view of the file)."""
+    def tensor(self, name: str, *, as_stored: bool = False) -> torch.Tensor:
+        """Tensor ``name`` dequantized to fp32 (a fresh tensor, not a view of the file).
+
+        ``as_stored``: an F16 or BF16 tensor comes in its own dtype instead (the same values, half
+        the bytes), for a GEMM that takes 16-bit weights as stored (plugin API 1.14)."""
         info = self.tensors[name]
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        if as_stored and info.type_name == "F16":
+            return torch.from_numpy(raw.view(np.float16).copy()).reshape(info.shape)
+        if as_stored and info.type_name == "BF16":
+            return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).reshape(info.shape)
         if info.type_name == "F32":
             out = raw.view(np.float32).copy()
         elif info.type_name == "F16":

@@ -4,6 +4,7 @@ plus the default SmolLM2 Q4_1 file against transformers' own GGUF loader (slow).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,9 +66,10 @@ def gguf_name(name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{kind}"
 
 
-def write_gguf(path: Path, hf: Any, arch: str, expert_type: Any = None) -> None:
-    """Write ``hf`` as a GGUF the way llama.cpp's converter lays it out: F32, experts stacked into one
-    [E, N, K] tensor per layer and projection (in ``expert_type``, e.g. Q8_0, when given)."""
+def write_gguf(path: Path, hf: Any, arch: str, expert_type: Any = None, matrix_type: Any = np.float32) -> None:
+    """Write ``hf`` as a GGUF the way llama.cpp's converter lays it out: F32 (2-D matrices in
+    ``matrix_type``, e.g. np.float16 for an F16 file), experts stacked into one [E, N, K] tensor per
+    layer and projection (in ``expert_type``, e.g. Q8_0, when given)."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -117,6 +119,8 @@ def write_gguf(path: Path, hf: Any, arch: str, expert_type: Any = None) -> None:
             continue
         if name.endswith("shared_expert_gate.weight"):
             data = data[0]  # llama.cpp stores the [1, H] gate as [H]
+        if data.ndim == 2:
+            data = data.astype(matrix_type)
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
     for (prefix, proj), by_index in stacks.items():
         stacked = np.ascontiguousarray(np.stack([by_index[e] for e in sorted(by_index)]))  # [E, N, K]
@@ -407,3 +411,51 @@ def test_gguf_q8_0_experts_stay_in_their_blocks_on_the_cpu_backend(tmp_path: Pat
     # the same rounded experts, multiplied from their blocks (6e-6 here when written; the cpu's
     # quantized GEMMs may round activations too, hence not exact)
     assert (got - expected).abs().max().item() < 1e-3
+
+
+def test_f16_gguf_matrices_reach_a_gemm_that_takes_them_as_stored(tmp_path: Path) -> None:
+    """An F16 GGUF's matrices come out of the reader as fp16 (``as_stored``): the reference GEMM gets
+    them cast to fp32 (the logits match transformers on the fp16-rounded weights), and the cpu
+    backend's native GEMM keeps them in fp16 panels with the same logits bit for bit as fp32 panels."""
+    from plinth.model.context import ModelKernels
+    from plinth_cpu import CpuBackend
+    from plinth_cpu.native import native
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = save_tiny(config, tmp_path / "hf")
+    path = tmp_path / "tiny-f16.gguf"
+    write_gguf(path, hf, "llama", matrix_type=np.float16)
+    file = GGUFFile(path)
+    assert file.tensors["blk.0.attn_q.weight"].type_name == "F16"
+    assert file.tensor("blk.0.attn_q.weight", as_stored=True).dtype == torch.float16
+    assert file.tensor("blk.0.attn_q.weight").dtype == torch.float32
+    source = resolve_model(str(path))
+    model, _ = load_model(source, reference_kernels(), torch.float32, 4, "float32")
+    with torch.no_grad():  # transformers on the same fp16-rounded matrices
+        for p in hf.parameters():
+            if p.ndim == 2:
+                p.copy_(p.half().float())
+    logits = run_step(model, allocate_caches(model, 1), [PROMPT], [0])
+    assert (logits - hf_logits(hf, PROMPT)).abs().max().item() < 1e-4
+    if native() is None:
+        pytest.skip("no native kernels: the 16-bit panels are theirs")
+    backend = CpuBackend()
+    runs = {}
+    for keep in ("1", "0"):
+        os.environ["PLINTH_CPU_KEEP_16BIT"] = keep
+        try:
+            ref = reference_kernels()  # the cpu GEMM under the reference attention and ops
+            kernels = ModelKernels(gemm=backend.gemm_kernels("float32"), ops=ref.ops, attention=ref.attention)
+        finally:
+            os.environ.pop("PLINTH_CPU_KEEP_16BIT")
+        cpu_model, _ = load_model(source, kernels, torch.float32, 4, "float32")
+        proj = cpu_model.layers[0].self_attn.qkv_proj.weight
+        assert (proj.format, proj.data["panels"].dtype) == (
+            ("w16_panels", torch.float16) if keep == "1" else ("f32_panels", torch.float32)
+        )
+        runs[keep] = run_step(cpu_model, allocate_caches(cpu_model, 1), [PROMPT], [0])
+    assert torch.equal(runs["1"], runs["0"])
+    assert (runs["1"] - hf_logits(hf, PROMPT)).abs().max().item() < 1e-4
