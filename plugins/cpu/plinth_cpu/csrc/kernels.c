@@ -416,6 +416,9 @@ static void tile_1x3(const float *x, const float *const w[3], int64_t K, float *
  * value; the FMA chains are the fp32 panels', so a 16-bit panel and the fp32 panel of the same values
  * give the same sums bit for bit. `wt` is a constant wherever these are inlined. */
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+#ifndef PF16_DIST
+#define PF16_DIST 1024
+#endif
 static inline size_t wsize(int wt) { return wt == W_F32 ? sizeof(float) : sizeof(uint16_t); }
 /* the element i of a panel buffer of kind wt */
 static inline const void *wat(const void *P, int64_t i, int wt) { return (const char *)P + i * (int64_t)wsize(wt); }
@@ -615,6 +618,11 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
     __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
     (void)x1, (void)x2, (void)x3;
     for (int64_t k = 0; k < kc; k += 2) { /* kc is a multiple of 8 */
+        if (wt != W_F32 && PF16_DIST && !(k & 3)) { /* 16-bit streams: a line ahead every 64 bytes */
+            _mm_prefetch((const char *)wat(p0, 8 * k, wt) + PF16_DIST, _MM_HINT_T0);
+            _mm_prefetch((const char *)wat(p1, 8 * k, wt) + PF16_DIST, _MM_HINT_T0);
+            _mm_prefetch((const char *)wat(p2, 8 * k, wt) + PF16_DIST, _MM_HINT_T0);
+        }
         __m512 b0 = load16w(p0, 8 * k, wt), b1 = load16w(p1, 8 * k, wt), b2 = load16w(p2, 8 * k, wt);
         PROW(0) PROW(1) PROW(2) PROW(3)
     }
