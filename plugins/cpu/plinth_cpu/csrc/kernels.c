@@ -778,9 +778,11 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
                     for (int64_t l = l0; l < l0 + share && l < lines; l++)
                         for (int j = 0; j < 3; j++) _mm_prefetch((const char *)next[j] + l * 64, _MM_HINT_T0);
                     /* a single row group streams the block from memory; with 2-3 groups the first does */
-                    int pf = groups == 1 || (m == m0 && !prefetch && tile_wt == W_F32);
-                    (pf ? panel_tile_rows_pf : panel_tile_rows)(m1 - m < 4 ? m1 - m : 4, c->x + m * K + k0, K, P, kc,
-                                                               c->y + m * N, N, col, k0 > 0, bias, tile_wt);
+                    int64_t r = m1 - m < 4 ? m1 - m : 4;
+                    if (groups == 1 || (m == m0 && !prefetch && tile_wt == W_F32)) /* direct calls: inlined */
+                        panel_tile_rows_pf(r, c->x + m * K + k0, K, P, kc, c->y + m * N, N, col, k0 > 0, bias, tile_wt);
+                    else
+                        panel_tile_rows(r, c->x + m * K + k0, K, P, kc, c->y + m * N, N, col, k0 > 0, bias, tile_wt);
                 }
             }
         }
