@@ -97,6 +97,20 @@ def test_logprobs(llm: LLM) -> None:
         assert len(lp.top) == 3 and lp.top[0][1] == pytest.approx(lp.logprob)
 
 
+def test_logprobs_up_to_twenty(llm: LLM) -> None:
+    """The most a request may ask for (OpenAI's ``top_logprobs`` cap): 20 alternatives per generated
+    token, sorted and distinct, the chosen token's among them; 21 is refused naming the field."""
+    [out] = llm.generate("hello world", _greedy(4, logprobs=20))
+    lps = out.outputs[0].logprobs
+    assert lps is not None and len(lps) == 4
+    for tok, lp in zip(out.outputs[0].token_ids, lps, strict=True):
+        values = [v for _, v in lp.top]
+        assert len(lp.top) == 20 and len({t for t, _ in lp.top}) == 20
+        assert values == sorted(values, reverse=True) and lp.top[0] == (tok, pytest.approx(lp.logprob))
+    with pytest.raises(InvalidParameter, match="logprobs"):
+        _greedy(4, logprobs=21)
+
+
 def test_chat_uses_the_template(llm: LLM) -> None:
     [out] = llm.chat([{"role": "user", "content": "Hi"}], _greedy(4))
     rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
