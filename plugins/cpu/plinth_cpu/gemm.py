@@ -6,7 +6,10 @@ panel is one vector of 8 outputs' weights, so the register tiles need no horizon
 a tile's weights in L1 across a decode batch (see ``csrc/kernels.c``). At batch 1 the kernel
 streams the weights at close to read bandwidth (torch's M=1 GEMM reaches about a third of it
 here), and batched it runs on the backend's own thread pool, which keeps going when a thread is
-descheduled. Other dtypes, and fp32 without native kernels, stay ``[N, K]`` and use
+descheduled. A bf16/fp16 checkpoint's weights in an fp32 model (``stored_dtypes``, plugin API 1.14)
+keep their 16 bits in the same panels (format ``"w16_panels"``): the kernels widen them exactly as
+they read them, so the products are the fp32 panels' bit for bit and a decode step streams half the
+bytes. Other dtypes, and fp32 without native kernels, stay ``[N, K]`` and use
 ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the
 weight is never pre-transposed.
 
