@@ -118,8 +118,12 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def block(name: str, arguments: str | dict[str, Any]) -> str:
-    """One call as plinth's format writes it."""
-    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    """One call as plinth's format writes it. Arguments that are not JSON (a history may carry what a
+    model wrote) go in as their text, as :func:`_call_for_template` hands them to a template."""
+    args: Any = arguments
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            args = json.loads(arguments)
     return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CALL_CLOSE}"
 
 

@@ -95,6 +95,17 @@ def test_templates_without_tools_get_plinths_section_and_blocks() -> None:
     assert chat_messages([{"role": "user", "content": "x"}], TOOLS, None)[0][0]["role"] == "system"
 
 
+def test_history_arguments_that_are_not_json_go_in_as_text() -> None:
+    """A client may send back what a model wrote, valid JSON or not (the server fuzz test found a 500
+    here): plinth's block and a tool-rendering template both get the text, nothing is refused."""
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{not json"}}]}]  # fmt: skip
+    messages, _ = chat_messages(history, TOOLS, "{{ messages }}")
+    assert json.loads(messages[1]["content"].split("\n")[1]) == {"name": "now", "arguments": "{not json"}
+    rendered, _ = chat_messages(history, TOOLS, "{% for t in tools %}{{ t }}{% endfor %}{{ messages }}")
+    assert rendered[0]["tool_calls"][0]["function"]["arguments"] == "{not json"
+
+
 @pytest.fixture(scope="module")
 def admits() -> Callable[[StructuredOutputs, str], bool]:
     """Whether a constraint's grammar takes ``text`` whole (SmolLM2's tokenizer)."""
