@@ -158,13 +158,10 @@ class NativeGemm(CpuGemm):
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] -> [M, N]."""
-        if weight.format == PANELS:
+        if weight.format in (PANELS, PANELS16):
             xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
-            y = self.native.gemm_f32_panels(xf, weight.data["panels"], weight.bias, weight.out_features)
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
-        if weight.format == PANELS16:
-            xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
-            y = self.native.gemm_panels16(xf, weight.data["panels"], weight.bias, weight.out_features)
+            gemm = self.native.gemm_f32_panels if weight.format == PANELS else self.native.gemm_panels16
+            y = gemm(xf, weight.data["panels"], weight.bias, weight.out_features)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if weight.format in QUANT_FORMATS:
             return self._linear_quantized(x, weight)
