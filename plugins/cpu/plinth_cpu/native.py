@@ -70,6 +70,13 @@ VARIANTS: tuple[IsaVariant, ...] = (AVX512, AVX2)
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
 
+#: The library's own layout of a q4_1 weight in 4-row groups (``csrc/kernels.c``, "Q4_1 in 4-row
+#: groups"), made at load by :meth:`NativeKernels.pack_q4_1x4`, for int16 activations.
+Q4_1X4 = "q4_1x4"
+
+#: Weight layouts the quantized entry points take: name -> code (the ggml formats, and q4_1x4).
+BLOCK_LAYOUTS: dict[str, int] = {**{name: code for name, (code, _, _) in QUANT_FORMATS.items()}, Q4_1X4: 2}
+
 #: Activation handling of ``plinth_gemm_quant``: name -> code.
 ACTIVATIONS: dict[str, int] = {"fp32": 0, "int8": 1, "int16": 2}
 
@@ -305,7 +312,7 @@ class NativeKernels:
         """The fp32 values of a ggml ``fmt`` weight [n, k] in the panels of :meth:`pack_f32`, into
         ``out`` (at least ``ceil(n/8) * 8 * k`` floats); returns the panels as ``[ceil(n/8), k, 8]``."""
         panels = out.view(-1)[: (n + 7) // 8 * 8 * k].view((n + 7) // 8, k, 8)
-        if self.lib.plinth_dequant_panels(QUANT_FORMATS[fmt][0], blocks.data_ptr(), panels.data_ptr(), n, k):
+        if self.lib.plinth_dequant_panels(BLOCK_LAYOUTS[fmt], blocks.data_ptr(), panels.data_ptr(), n, k):
             raise MemoryError(f"no memory to dequantize a {n} x {k} weight into panels")
         return panels
 
@@ -325,13 +332,29 @@ class NativeKernels:
         and multiply in integers: both about 1.5x faster than fp32 here; int8 is llama.cpp's scheme."""
         M, K = x.shape
         y = torch.empty(M, n, dtype=torch.float32)
-        code = QUANT_FORMATS[fmt][0]
+        if fmt == Q4_1X4 and activations != "int16":
+            raise ValueError(f"a {Q4_1X4} weight takes int16 activations, not {activations}")
+        code = BLOCK_LAYOUTS[fmt]
         bias_ptr = None if bias is None else bias.data_ptr()
         if self.lib.plinth_gemm_quant(
             code, ACTIVATIONS[activations], x.data_ptr(), blocks.data_ptr(), bias_ptr, y.data_ptr(), M, n, K
         ):
             raise MemoryError(f"no memory to quantize {M} x {K} activations")
         return y
+
+    def pack_q4_1x4(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """A q4_1 weight [n, k] (its GGUF blocks, row after row) laid out in 4-row groups for the
+        int16 few-row kernel (format ``"q4_1x4"``; every other quantized entry point takes it too):
+        the same bytes, plus at most 48 of padding per group and a zero fourth row where n is not a
+        multiple of 4. ``blocks`` may be freed afterwards."""
+        if k % 32 or blocks.numel() * blocks.element_size() != n * (k // 32) * QUANT_FORMATS["q4_1"][2]:
+            raise ValueError(f"{blocks.numel() * blocks.element_size()} bytes are not the q4_1 blocks of {n} x {k}")
+        src = blocks.contiguous()
+        out = torch.empty(int(self.lib.plinth_q4_1x4_bytes(n, k)), dtype=torch.uint8)
+        if out.data_ptr() % 64:  # the kernel's aligned loads; torch's CPU allocator aligns to 64 bytes
+            raise MemoryError("the allocator gave a q4_1x4 weight memory not aligned to 64 bytes")
+        self.lib.plinth_pack_q4_1x4(src.data_ptr(), out.data_ptr(), n, k)
+        return out
 
     def gemm_dequant(
         self, fmt: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int
@@ -340,7 +363,7 @@ class NativeKernels:
         M, K = x.shape
         y = torch.empty(M, n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
-        code = QUANT_FORMATS[fmt][0]
+        code = BLOCK_LAYOUTS[fmt]
         if self.lib.plinth_gemm_dequant(code, x.data_ptr(), blocks.data_ptr(), bias_ptr, y.data_ptr(), M, n, K):
             raise MemoryError("no memory for dequantized weight rows")
         return y
@@ -349,7 +372,7 @@ class NativeKernels:
         """The fp32 [n, k] values of a ggml ``fmt`` weight."""
         if out is None:
             out = torch.empty(n, k, dtype=torch.float32)
-        self.lib.plinth_dequant(QUANT_FORMATS[fmt][0], blocks.data_ptr(), out.data_ptr(), n, k)
+        self.lib.plinth_dequant(BLOCK_LAYOUTS[fmt], blocks.data_ptr(), out.data_ptr(), n, k)
         return out
 
     def round_trip_q8(self, x: torch.Tensor) -> torch.Tensor:

@@ -208,7 +208,8 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
     x = torch.randn(m, k, generator=gen)
     gemm = NativeGemm(torch.float32, nk, activations=activations)
     prepared = gemm.prepare_quantized(qw, b)
-    assert prepared.format == fmt and prepared.weight is None  # never dequantized at load
+    grouped = fmt == "q4_1" and activations == "int16"  # laid out in 4-row groups, the same values
+    assert prepared.format == ("q4_1x4" if grouped else fmt) and prepared.weight is None  # never dequantized
     y = gemm.linear(x, prepared)
     ref = F.linear(x.double(), w.double(), b.double()).float()
     row = gemm.linear(x[:1], prepared)
@@ -225,6 +226,91 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
         bound = _activation_error_bound(x[:1], w, levels=32767) if activations == "int16" else 1e-4
         assert ((y[:1] - row).abs() <= bound).all()  # row alone: int16 path
+
+
+@needs_native
+@pytest.mark.parametrize("n", [1, 6, 13, 64, 100, 1040])  # a last group of 1-3 rows; 4-group streams and leftovers
+@pytest.mark.parametrize("k", [32, 96, 1536])  # 1, 3 and 48 blocks a row (a group of 3 blocks: padded stride)
+def test_q4_1x4_holds_the_gguf_values(nk: NativeKernels, threads: int, n: int, k: int) -> None:
+    """The 4-row layout holds each row's values exactly: every dequantizing entry point (whole, in
+    panels, the many-row GEMM) gives the GGUF blocks' results bit for bit."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    qw = _q4_1(n, k, gen)
+    packed = nk.pack_q4_1x4(qw.blocks, n, k)
+    assert packed.numel() == (n + 3) // 4 * ((k // 32 * 80 + 63) // 64 * 64) and packed.data_ptr() % 64 == 0
+    assert torch.equal(nk.dequant("q4_1x4", packed, n, k), nk.dequant("q4_1", qw.blocks, n, k))
+    assert torch.equal(nk.dequant("q4_1", qw.blocks, n, k), dequantize(qw))
+    size = (n + 7) // 8 * 8 * k
+    want = nk.dequant_panels("q4_1", qw.blocks, n, k, torch.empty(size))
+    assert torch.equal(nk.dequant_panels("q4_1x4", packed, n, k, torch.empty(size)), want)
+    x = torch.randn(NATIVE_QUANT_MAX_ROWS + 5, k, generator=gen)
+    assert torch.equal(nk.gemm_dequant("q4_1x4", x, packed, None, n), nk.gemm_dequant("q4_1", x, qw.blocks, None, n))
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 2, 7, NATIVE_QUANT_MAX_ROWS])
+@pytest.mark.parametrize("n", [5, 13, 64, 100, 1040])
+@pytest.mark.parametrize("k", [32, 96, 1536])
+def test_q4_1x4_gemm_matches_the_row_kernel(nk: NativeKernels, threads: int, m: int, n: int, k: int) -> None:
+    """The few-row kernel over 4-row groups: the same int16 activations and exact integer block sums
+    as the GGUF-order kernel, so the two agree up to fp32 rounding; within the rounding bound of the
+    dequantized product; and a row's result does not depend on the batch it is in."""
+    gen = torch.Generator().manual_seed(m * 1000 + n * 7 + k)
+    qw, b = _q4_1(n, k, gen), torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4  # blocks of unlike magnitudes
+    packed = nk.pack_q4_1x4(qw.blocks, n, k)
+    got = nk.gemm_quant("q4_1x4", x, packed, b, n, "int16")
+    rows = nk.gemm_quant("q4_1", x, qw.blocks, b, n, "int16")
+    torch.testing.assert_close(got, rows, rtol=2e-6 * k**0.5, atol=2e-6 * k**0.5)
+    w = dequantize(qw)
+    ref = F.linear(x.double(), w.double(), b.double()).float()
+    assert ((got - ref).abs() <= _activation_error_bound(x, w, levels=32767)).all()
+    assert torch.equal(nk.gemm_quant("q4_1x4", x[-1:], packed, b, n, "int16"), got[-1:])
+
+
+@needs_native
+def test_q4_1x4_builds_agree_bit_for_bit(threads: int) -> None:
+    """The AVX2 build runs the AVX-512 build's lanes in two halves: the same sums, bit for bit."""
+    if len(RUNNABLE) < 2:
+        pytest.skip(f"one build runs on this CPU ({RUNNABLE[0]}): nothing to compare")
+    gen = torch.Generator().manual_seed(5)
+    qw, x = _q4_1(1040, 1536, gen), torch.randn(3, 1536, generator=gen)
+    results = []
+    for variant in RUNNABLE:
+        kernels = _kernels(variant)
+        before = kernels.num_threads()
+        kernels.set_num_threads(threads)
+        try:
+            results.append(kernels.gemm_quant("q4_1x4", x, kernels.pack_q4_1x4(qw.blocks, 1040, 1536), None, 1040, "int16"))
+        finally:
+            kernels.set_num_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+@needs_native
+def test_q4_1x4_takes_int16_activations_only(nk: NativeKernels) -> None:
+    """The grouped layout has one kernel (int16): other activations are a clear error, not garbage."""
+    qw = _q4_1(8, 64, torch.Generator().manual_seed(0))
+    packed = nk.pack_q4_1x4(qw.blocks, 8, 64)
+    with pytest.raises(ValueError, match="q4_1x4 weight takes int16 activations, not int8"):
+        nk.gemm_quant("q4_1x4", torch.randn(1, 64), packed, None, 8, "int8")
+    with pytest.raises(ValueError, match="are not the q4_1 blocks of 8 x 96"):
+        nk.pack_q4_1x4(qw.blocks, 8, 96)
+
+
+@needs_native
+def test_q4_1_groups_follow_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PLINTH_CPU_Q4_1_GROUPS=0`` keeps q4_1 in GGUF order (for A/B runs); fp32/int8 activations
+    always do; the results agree up to fp32 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    qw, x = _q4_1(40, 96, gen), torch.randn(2, 96, generator=gen)
+    grouped = NativeGemm(torch.float32, nk)
+    monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", "0")
+    plain = NativeGemm(torch.float32, nk)
+    assert [NativeGemm(torch.float32, nk, activations=a).group_q4_1 for a in ("fp32", "int8")] == [False, False]
+    a, b = grouped.prepare_quantized(qw, None), plain.prepare_quantized(qw, None)
+    assert (a.format, b.format) == ("q4_1x4", "q4_1")
+    torch.testing.assert_close(grouped.linear(x, a), plain.linear(x, b), rtol=1e-5, atol=1e-5)
 
 
 @needs_native

@@ -1301,6 +1301,140 @@ static void rows4_i16(int fmt, const char *const w[4], const block_q16_x *x, int
     out[2] = hsum256(acc2) + (q41 ? m[5] : 0.0f), out[3] = hsum256(acc3) + (q41 ? m[7] : 0.0f);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Q4_1 in 4-row groups (format code 2, "q4_1x4"): plinth's own layout of a q4_1 weight, made once
+ * at load by plinth_pack_q4_1x4, for int16 activations. Rows 4g..4g+3 form group g, GROUP bytes
+ * apart (x4_stride: nb * 80 rounded up to a cache line; missing rows of a last group are zeros):
+ *   nb x 64 bytes of quants: block b's 32 uint16 lanes, lane 8r + i of row r holding its values
+ *       i, 8 + i, 16 + i and 24 + i in nibbles 0-3 (the same 4-bit values as the GGUF block);
+ *   nb x 16 bytes of scales: block b's (d, m) fp16 pairs of rows 0-3, one 32-bit word each.
+ * One 512-bit load is a block of four rows; nibble p of every lane (a shift and a mask) is four
+ * rows' values 8p..8p+7 as int16, against the activation block's values 8p..8p+7 repeated in each
+ * 128-bit lane (a broadcast load). Four VNNI dot products leave int32 lane 4r + j holding row r's
+ * sum over 8 of its values, scaled per lane by d_r * d_x: no widening of bytes, one scale load for
+ * four rows, a single stream per group. The AVX2 build runs the same lanes in two halves and
+ * gives the same sums bit for bit.
+ */
+enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1, FMT_Q4_1X4 = 2 };
+
+#ifndef X4_PF_DIST
+#define X4_PF_DIST 2048
+#endif
+#ifndef X4_STREAMS
+#define X4_STREAMS 4
+#endif
+static inline size_t x4_stride(int64_t nb) { return ((size_t)nb * 80 + 63) / 64 * 64; }
+
+/* Bytes of a q4_1x4 weight of N rows and K columns (K a multiple of 32). */
+int64_t plinth_q4_1x4_bytes(int64_t N, int64_t K) { return (N + 3) / 4 * (int64_t)x4_stride(K / QK); }
+
+typedef struct {
+    const block_q4_1 *w;
+    uint8_t *out;
+    int64_t N, nb;
+} pack_x4_ctx;
+
+static void pack_x4_range(void *p, int64_t begin, int64_t end) {
+    pack_x4_ctx *c = (pack_x4_ctx *)p;
+    int64_t nb = c->nb;
+    size_t S = x4_stride(nb);
+    for (int64_t g = begin; g < end; g++) {
+        uint8_t *base = c->out + (size_t)g * S;
+        memset(base, 0, S);
+        for (int r = 0; r < 4 && g * 4 + r < c->N; r++) {
+            const block_q4_1 *row = c->w + (g * 4 + r) * nb;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t q[QK];
+                for (int j = 0; j < QK / 2; j++) q[j] = row[b].qs[j] & 0x0F, q[j + QK / 2] = row[b].qs[j] >> 4;
+                uint16_t lanes[8];
+                for (int i = 0; i < 8; i++)
+                    lanes[i] = (uint16_t)(q[i] | q[8 + i] << 4 | q[16 + i] << 8 | q[24 + i] << 12);
+                memcpy(base + b * 64 + r * 16, lanes, sizeof lanes);
+                uint32_t dm = row[b].d | (uint32_t)row[b].m << 16;
+                memcpy(base + nb * 64 + b * 16 + r * 4, &dm, sizeof dm);
+            }
+        }
+    }
+}
+
+/* Lay out the q4_1 weight w [N, K] (GGUF blocks, row after row) in out (plinth_q4_1x4_bytes(N, K)
+ * bytes, 64-byte aligned) as q4_1x4. */
+void plinth_pack_q4_1x4(const void *w, void *out, int64_t N, int64_t K) {
+    pack_x4_ctx c = {(const block_q4_1 *)w, (uint8_t *)out, N, K / QK};
+    int64_t groups = (N + 3) / 4;
+    parallel_for(pack_x4_range, &c, groups, grain_for(groups, 16));
+}
+
+/* Groups G[0..ng) (ng 1 to X4_STREAMS: they share the activation loads) against one int16 row. */
+static inline void groups_x4(const uint8_t *const G[X4_STREAMS], int ng, const block_q16_x *x, int64_t nb,
+                             float out[X4_STREAMS][4]) {
+    float lanes[X4_STREAMS][16] __attribute__((aligned(64))), m[X4_STREAMS][8] __attribute__((aligned(32)));
+#if PLINTH_AVX512
+    const __m512i m15 = _mm512_set1_epi16(0x0F);
+    const __m512i expand = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    __m512 acc[X4_STREAMS];
+    __m256 macc[X4_STREAMS];
+    for (int g = 0; g < X4_STREAMS; g++) acc[g] = _mm512_setzero_ps(), macc[g] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int16_t *xq = x[b].q;
+        __m512i x0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xq));
+        __m512i x1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + 8)));
+        __m512i x2 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + 16)));
+        __m512i x3 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + 24)));
+        __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b].d)); /* (d, s) x 4 */
+        for (int g = 0; g < ng; g++) {
+            if (X4_PF_DIST) _mm_prefetch((const char *)G[g] + b * 64 + X4_PF_DIST, _MM_HINT_T0);
+            __m512i v = _mm512_load_si512((const void *)(G[g] + b * 64));
+            /* two chains of two: the four products of a block do not wait on each other */
+            __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, m15), x0);
+            __m512i e = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(v, 4), m15), x1);
+            d = _mm512_dpwssd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 8), m15), x2);
+            e = _mm512_dpwssd_epi32(e, _mm512_srli_epi16(v, 12), x3);
+            __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i *)(G[g] + nb * 64 + b * 16))), pair);
+            macc[g] = _mm256_add_ps(macc[g], prod);
+            acc[g] = _mm512_fmadd_ps(_mm512_permutexvar_ps(expand, _mm512_castps256_ps512(prod)),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(d, e)), acc[g]);
+        }
+    }
+    for (int g = 0; g < ng; g++) _mm512_store_ps(lanes[g], acc[g]), _mm256_store_ps(m[g], macc[g]);
+#else
+    const __m256i m15 = _mm256_set1_epi16(0x0F);
+    const __m256i lo_rows = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), hi_rows = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+    __m256 acc[X4_STREAMS][2], macc[X4_STREAMS];
+    for (int g = 0; g < X4_STREAMS; g++) acc[g][0] = acc[g][1] = macc[g] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int16_t *xq = x[b].q;
+        __m256i x0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xq));
+        __m256i x1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 8)));
+        __m256i x2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 16)));
+        __m256i x3 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 24)));
+        __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b].d));
+        for (int g = 0; g < ng; g++) {
+            __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128((const __m128i *)(G[g] + nb * 64 + b * 16))), pair);
+            macc[g] = _mm256_add_ps(macc[g], prod);
+            for (int h = 0; h < 2; h++) { /* rows 0-1, then rows 2-3 */
+                __m256i v = _mm256_load_si256((const __m256i *)(G[g] + b * 64 + 32 * h));
+                __m256i d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, m15), x0),
+                                             _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15), x1));
+                __m256i e = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), m15), x2),
+                                             _mm256_madd_epi16(_mm256_srli_epi16(v, 12), x3));
+                __m256 scale = _mm256_permutevar8x32_ps(prod, h ? hi_rows : lo_rows);
+                acc[g][h] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(d, e)), acc[g][h]);
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++) {
+        _mm256_store_ps(lanes[g], acc[g][0]), _mm256_store_ps(lanes[g] + 8, acc[g][1]);
+        _mm256_store_ps(m[g], macc[g]);
+    }
+#endif
+    for (int g = 0; g < ng; g++)
+        for (int r = 0; r < 4; r++) {
+            const float *a = lanes[g] + 4 * r;
+            out[g][r] = (a[0] + a[1]) + (a[2] + a[3]) + m[g][2 * r + 1];
+        }
+}
+
 /* Activation handling of plinth_gemm_quant. */
 enum { ACT_F32 = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 
@@ -1374,11 +1508,50 @@ static void qgemm_range(void *p, int64_t begin, int64_t end) {
     }
 }
 
+/* q4_1x4: items are groups of 4 weight rows, taken two at a time; each pair meets every activation
+ * row while its blocks are in L1 */
+static void qgemm_x4_range(void *p, int64_t begin, int64_t end) {
+    qgemm_ctx *c = (qgemm_ctx *)p;
+    size_t S = x4_stride(c->nb);
+    /* X4_STREAMS groups at a time from as many segments of the range (far apart in memory) */
+    int64_t seg = (end - begin) / X4_STREAMS;
+    for (int64_t i = 0; i < (seg ? seg : end - begin); i++) {
+        int ng = seg ? X4_STREAMS : 1;
+        int64_t gs[X4_STREAMS];
+        const uint8_t *G[X4_STREAMS];
+        for (int k = 0; k < ng; k++) gs[k] = begin + i + k * seg, G[k] = (const uint8_t *)c->w + (size_t)gs[k] * S;
+        for (int64_t m = 0; m < c->M; m++) {
+            float v[X4_STREAMS][4];
+            groups_x4(G, ng, c->xq16 + m * c->nb, c->nb, v);
+            float *y = c->y + m * c->N;
+            for (int k = 0; k < ng; k++)
+                for (int r = 0; r < 4; r++) {
+                    int64_t n = gs[k] * 4 + r;
+                    if (n < c->N) y[n] = v[k][r] + (c->bias ? c->bias[n] : 0.0f);
+                }
+        }
+    }
+    if (seg) /* the remainder: one group at a time */
+        for (int64_t g = begin + X4_STREAMS * seg; g < end; g++) {
+            const uint8_t *G[X4_STREAMS] = {(const uint8_t *)c->w + (size_t)g * S};
+            for (int64_t m = 0; m < c->M; m++) {
+                float v[X4_STREAMS][4];
+                groups_x4(G, 1, c->xq16 + m * c->nb, c->nb, v);
+                for (int r = 0; r < 4; r++) {
+                    int64_t n = g * 4 + r;
+                    if (n < c->N) c->y[m * c->N + n] = v[0][r] + (c->bias ? c->bias[n] : 0.0f);
+                }
+            }
+        }
+}
+
 /* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b for few rows M, with activations (act) in fp32 as
- * given, or rounded per 32-block to int8 or int16 first. Returns 0, or -1 when out of memory. */
+ * given, or rounded per 32-block to int8 or int16 first (q4_1x4: int16 only; -2 for another act).
+ * Returns 0, or -1 when out of memory. */
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M,
                       int64_t N, int64_t K) {
     int64_t nb = K / QK;
+    if (fmt == FMT_Q4_1X4 && act != ACT_INT16) return -2;
     size_t per_block = act == ACT_INT8 ? sizeof(block_q8_x) : act == ACT_INT16 ? sizeof(block_q16_x) : sizeof(float);
     void *scratch = malloc(per_block * (size_t)(M * nb));
     if (!scratch) return -1;
@@ -1398,7 +1571,12 @@ int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const flo
                    nb,
                    row_bytes};
     if (act != ACT_F32 || fmt == 0) parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
-    parallel_for(qgemm_range, &c, N, grain_for(N, 16));
+    if (fmt == FMT_Q4_1X4) {
+        int64_t groups = (N + 3) / 4;
+        parallel_for(qgemm_x4_range, &c, groups, grain_for(groups, 4 * X4_STREAMS));
+    } else {
+        parallel_for(qgemm_range, &c, N, grain_for(N, 16));
+    }
     free(scratch);
     return 0;
 }
@@ -1438,6 +1616,21 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; n++) {
         const char *row = c->w + (size_t)n * c->nb * c->bsz;
         float *o = c->out + n * c->K;
+        if (c->fmt == FMT_Q4_1X4) { /* row r of its group: 16 bytes of each block, nibble p is values 8p..8p+7 */
+            const char *base = c->w + (size_t)(n / 4) * x4_stride(c->nb);
+            int r = (int)(n % 4);
+            for (int64_t b = 0; b < c->nb; b++) {
+                uint32_t dm;
+                memcpy(&dm, base + c->nb * 64 + b * 16 + r * 4, sizeof dm);
+                __m256 d = _mm256_set1_ps(fp16_to_f32((uint16_t)dm)), m = _mm256_set1_ps(fp16_to_f32((uint16_t)(dm >> 16)));
+                __m128i v = _mm_loadu_si128((const __m128i *)(base + b * 64 + r * 16)), m15 = _mm_set1_epi16(0x0F);
+                for (int q = 0; q < 4; q++) {
+                    __m256i vals = _mm256_cvtepu16_epi32(_mm_and_si128(_mm_srli_epi16(v, 4 * q), m15));
+                    _mm256_storeu_ps(o + b * QK + 8 * q, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(vals), m));
+                }
+            }
+            continue;
+        }
         for (int64_t b = 0; b < c->nb; b++) { /* 8 values per vector: widen, convert, scale */
             float *ob = o + b * QK;
             if (c->fmt == 0) { /* value j is d * nibble + m: low nibbles are values 0-15, high ones 16-31 */

@@ -87,7 +87,8 @@ def test_default_model_matches_transformers(hf_smollm2: Any, backend: str) -> No
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["int16", "fp32", "int8"])
 def test_default_model_native_q4_1(activations: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cpu backend keeps the GGUF's q4_1/q8_0 weights in their blocks.
+    """The cpu backend keeps the GGUF's q4_1/q8_0 weights in their blocks (q4_1 under int16
+    activations laid out in 4-row groups at load: the same values).
 
     With fp32 activations it computes the dequantized model's logits up to fp32 rounding; with
     int16 activations (the default) log-probabilities stay within 5e-3 nats of that (measured
@@ -101,7 +102,8 @@ def test_default_model_native_q4_1(activations: str, monkeypatch: pytest.MonkeyP
     prompt = "The three primary colors are"
     native = LLM(backend="cpu", max_model_len=256)
     assert native.engine.model.lm_head.weight.format == "q8_0"  # tied Q8_0 embedding, kept
-    assert native.engine.model.layers[0].mlp.down_proj.weight.format == "q4_1"
+    grouped = "q4_1x4" if activations == "int16" else "q4_1"  # int16's kernel reads 4-row groups
+    assert native.engine.model.layers[0].mlp.down_proj.weight.format == grouped
     fp32 = LLM(backend="cpu", max_model_len=256, quantization="none")
     assert fp32.engine.model.lm_head.weight.format in ("dense", "f32_panels")  # dequantized at load
     got, ref = (llm.generate([prompt], params)[0].outputs[0] for llm in (native, fp32))
