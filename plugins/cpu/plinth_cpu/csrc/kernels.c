@@ -1318,7 +1318,7 @@ static void rows4_i16(int fmt, const char *const w[4], const block_q16_x *x, int
 enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1, FMT_Q4_1X4 = 2 };
 
 #ifndef X4_PF_DIST
-#define X4_PF_DIST 2048
+#define X4_PF_DIST 4096
 #endif
 #ifndef X4_STREAMS
 #define X4_STREAMS 4
