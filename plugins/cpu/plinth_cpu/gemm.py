@@ -13,12 +13,15 @@ bytes. Other dtypes, and fp32 without native kernels, stay ``[N, K]`` and use
 ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the
 weight is never pre-transposed.
 
-Quantized weights keep their GGUF blocks (never dequantized at load). Few rows (decode): the
+Quantized weights keep their GGUF blocks' values (never dequantized at load). Few rows (decode): the
 native kernel unpacks each block in registers and multiplies it with the activations rounded to
 int16 per 32-block (``PLINTH_CPU_ACTIVATIONS``, default "int16"): exact integer products, and a
 rounding at most 2^-16 of the block's largest activation, which kept SmolLM2-135M's log-probs
-within 1.5e-3 nats of the dequantized fp32 model. Multiplying fp32 activations as given ("fp32")
-is exact up to fp32 rounding but slower: AVX2 has to convert every weight to float, and that, not
+within 1.5e-3 nats of the dequantized fp32 model. Under int16 a q4_1 weight is laid out once at
+load in 4-row groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles
+are int16 lanes, one scale load serves four rows), which the kernel reads with a third fewer
+instructions in one stream per group; ``PLINTH_CPU_Q4_1_GROUPS=0`` keeps GGUF order. Multiplying
+fp32 activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert every weight to float, and that, not
 memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into a
 cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
 dequantization is then a small share of the work. Prefill-sized products dequantize the whole
@@ -159,7 +162,8 @@ class NativeGemm(CpuGemm):
         if weight.format == "q4_1" and self.group_q4_1:
             packed = self.native.pack_q4_1x4(weight.blocks, n, k)
             return LinearWeight(n, k, weight=None, bias=b, format=Q4_1X4, data={"blocks": packed})
-        return LinearWeight(n, k, weight=None, bias=b, format=weight.format, data={"blocks": weight.blocks.contiguous()})
+        blocks = weight.blocks.contiguous()
+        return LinearWeight(n, k, weight=None, bias=b, format=weight.format, data={"blocks": blocks})
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] -> [M, N]."""

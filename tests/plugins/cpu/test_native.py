@@ -281,7 +281,8 @@ def test_q4_1x4_builds_agree_bit_for_bit(threads: int) -> None:
         before = kernels.num_threads()
         kernels.set_num_threads(threads)
         try:
-            results.append(kernels.gemm_quant("q4_1x4", x, kernels.pack_q4_1x4(qw.blocks, 1040, 1536), None, 1040, "int16"))
+            packed = kernels.pack_q4_1x4(qw.blocks, 1040, 1536)
+            results.append(kernels.gemm_quant("q4_1x4", x, packed, None, 1040, "int16"))
         finally:
             kernels.set_num_threads(before)
     assert all(torch.equal(r, results[0]) for r in results[1:])
