@@ -21,8 +21,8 @@ within 1.5e-3 nats of the dequantized fp32 model. Under int16 a q4_1 weight is l
 load in 4-row groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles
 are int16 lanes, one scale load serves four rows), which the kernel reads with a third fewer
 instructions in one stream per group; ``PLINTH_CPU_Q4_1_GROUPS=0`` keeps GGUF order. Multiplying
-fp32 activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert every weight to float, and that, not
-memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into a
+fp32 activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert
+every weight to float, and that, not memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into a
 cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
 dequantization is then a small share of the work. Prefill-sized products dequantize the whole
 weight into panels in a reused scratch buffer (at most a few MB per layer) and go through the
