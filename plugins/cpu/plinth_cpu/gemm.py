@@ -16,19 +16,18 @@ weight is never pre-transposed.
 Quantized weights keep their GGUF blocks' values (never dequantized at load). Few rows (decode): the
 native kernel unpacks each block in registers and multiplies it with the activations rounded to
 int16 per 32-block (``PLINTH_CPU_ACTIVATIONS``, default "int16"): exact integer products, and a
-rounding at most 2^-16 of the block's largest activation, which kept SmolLM2-135M's log-probs
-within 1.5e-3 nats of the dequantized fp32 model. Under int16 a q4_1 weight is laid out once at
-load in 4-row groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles
-are int16 lanes, one scale load serves four rows), which the kernel reads with a third fewer
-instructions in one stream per group; ``PLINTH_CPU_Q4_1_GROUPS=0`` keeps GGUF order. Multiplying
-fp32 activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert
-every weight to float, and that, not memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into a
-cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
-dequantization is then a small share of the work. Prefill-sized products dequantize the whole
-weight into panels in a reused scratch buffer (at most a few MB per layer) and go through the
-panel kernel. "int8" rounds activations to int8 per 32-block first on every path, as llama.cpp
-does: logits off by the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip
-near-tied greedy choices).
+rounding at most 2^-16 of the block's largest activation, which kept SmolLM2-135M's log-probs within
+1.5e-3 nats of the dequantized fp32 model. Under int16 a q4_1 weight is laid out once at load in
+4-row groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles are int16
+lanes, one scale load serves four rows), which the kernel reads with a third fewer instructions in
+one stream per group; ``PLINTH_CPU_Q4_1_GROUPS=0`` keeps GGUF order. Multiplying fp32 activations as
+given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert every weight to float,
+and that, not memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into
+a cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
+dequantization is then a small share of the work. Prefill-sized products dequantize the whole weight
+into panels in a reused scratch buffer (at most a few MB per layer) and go through the panel kernel.
+"int8" rounds activations to int8 per 32-block first on every path, as llama.cpp does: logits off by
+the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip near-tied greedy choices).
 """
 
 from __future__ import annotations
