@@ -20,14 +20,15 @@ rounding at most 2^-16 of the block's largest activation, which kept SmolLM2-135
 1.5e-3 nats of the dequantized fp32 model. Under int16 a q4_1 weight is laid out once at load in
 4-row groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles are int16
 lanes, one scale load serves four rows), which the kernel reads with a third fewer instructions in
-one stream per group; ``PLINTH_CPU_Q4_1_GROUPS=0`` keeps GGUF order. Multiplying fp32 activations as
-given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert every weight to float,
-and that, not memory, bounds the kernel. Many rows: each group of 3 weight rows is dequantized into
-a cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
-dequantization is then a small share of the work. Prefill-sized products dequantize the whole weight
-into panels in a reused scratch buffer (at most a few MB per layer) and go through the panel kernel.
-"int8" rounds activations to int8 per 32-block first on every path, as llama.cpp does: logits off by
-the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip near-tied greedy choices).
+one stream per group (with the AVX-512 build; ``PLINTH_CPU_Q4_1_GROUPS``). Multiplying fp32
+activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert every
+weight to float, and that, not memory, bounds the kernel. Many rows: each group of 3 weight rows is
+dequantized into a cache-resident buffer and multiplied with the fp32 register tiles (fp32
+activations); the dequantization is then a small share of the work. Prefill-sized products
+dequantize the whole weight into panels in a reused scratch buffer (at most a few MB per layer) and
+go through the panel kernel. "int8" rounds activations to int8 per 32-block first on every path, as
+llama.cpp does: logits off by the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip
+near-tied greedy choices).
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ KEEP16_ENV = "PLINTH_CPU_KEEP_16BIT"
 #: Activation handling for quantized weights at few rows: "int16" (default), "fp32" or "int8".
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
 ACTIVATION_MODES = ("int16", "fp32", "int8")
-#: "0": q4_1 weights keep their GGUF row order under int16 activations (default "1": 4-row groups).
+#: q4_1 weights under int16 activations: "1" laid out in 4-row groups, "0" kept in GGUF row order,
+#: "auto" (default) groups where the AVX-512 build runs. Measured (Zen 5, 2 threads, 30 cold layers,
+#: ``benchmarks/q4_1x4.py``): the AVX-512 build's grouped kernel 1.20x at 1 row, 1.5x at 4-16; the
+#: AVX2 build's 0.71-0.80x at 1 row (its two-half kernel keeps fewer reads in flight).
 GROUPS_ENV = "PLINTH_CPU_Q4_1_GROUPS"
+GROUPS_MODES = ("auto", "1", "0")
 
 #: Quantized products up to this many rows dequantize 3 weight rows at a time (per 32-row block of
 #: activations); above, the whole weight is dequantized once into scratch.
@@ -120,8 +125,12 @@ class NativeGemm(CpuGemm):
         if activations not in ACTIVATION_MODES:
             raise ValueError(f"{where}: expected one of {', '.join(ACTIVATION_MODES)}")
         self.activations = activations
-        # int16 activations take q4_1 weights in 4-row groups (NativeKernels.pack_q4_1x4)
-        self.group_q4_1 = activations == "int16" and os.environ.get(GROUPS_ENV, "1") != "0"
+        # int16 activations take q4_1 weights in 4-row groups (NativeKernels.pack_q4_1x4) where that pays
+        groups = os.environ.get(GROUPS_ENV, "auto")
+        if groups not in GROUPS_MODES:
+            raise ValueError(f"{GROUPS_ENV}={groups!r}: expected one of {', '.join(GROUPS_MODES)}")
+        wanted = native.variant.name == "avx512" if groups == "auto" else groups == "1"
+        self.group_q4_1 = activations == "int16" and wanted
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
         # an fp32 model takes a 16-bit checkpoint's weights as stored and keeps them in 16-bit panels
         keep16 = dtype == torch.float32 and os.environ.get(KEEP16_ENV, "1") != "0"

@@ -208,7 +208,8 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
     x = torch.randn(m, k, generator=gen)
     gemm = NativeGemm(torch.float32, nk, activations=activations)
     prepared = gemm.prepare_quantized(qw, b)
-    grouped = fmt == "q4_1" and activations == "int16"  # laid out in 4-row groups, the same values
+    # laid out in 4-row groups (the same values) where the AVX-512 build runs
+    grouped = fmt == "q4_1" and activations == "int16" and nk.variant.name == "avx512"
     assert prepared.format == ("q4_1x4" if grouped else fmt) and prepared.weight is None  # never dequantized
     y = gemm.linear(x, prepared)
     ref = F.linear(x.double(), w.double(), b.double()).float()
@@ -300,18 +301,26 @@ def test_q4_1x4_takes_int16_activations_only(nk: NativeKernels) -> None:
 
 
 @needs_native
-def test_q4_1_groups_follow_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PLINTH_CPU_Q4_1_GROUPS=0`` keeps q4_1 in GGUF order (for A/B runs); fp32/int8 activations
-    always do; the results agree up to fp32 rounding."""
+def test_q4_1_groups_follow_the_build_and_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PLINTH_CPU_Q4_1_GROUPS``: "auto" (default) groups q4_1 rows under the AVX-512 build only
+    (measured: the AVX2 build's grouped kernel is slower from memory), "1" always, "0" never; fp32 and
+    int8 activations keep GGUF order; a bad value is named. Grouped or not, the results agree up to fp32
+    rounding."""
     gen = torch.Generator().manual_seed(3)
     qw, x = _q4_1(40, 96, gen), torch.randn(2, 96, generator=gen)
+    monkeypatch.delenv("PLINTH_CPU_Q4_1_GROUPS", raising=False)
+    assert NativeGemm(torch.float32, nk).group_q4_1 == (nk.variant.name == "avx512")
+    monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", "1")
     grouped = NativeGemm(torch.float32, nk)
+    assert [NativeGemm(torch.float32, nk, activations=a).group_q4_1 for a in ("fp32", "int8")] == [False, False]
     monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", "0")
     plain = NativeGemm(torch.float32, nk)
-    assert [NativeGemm(torch.float32, nk, activations=a).group_q4_1 for a in ("fp32", "int8")] == [False, False]
     a, b = grouped.prepare_quantized(qw, None), plain.prepare_quantized(qw, None)
     assert (a.format, b.format) == ("q4_1x4", "q4_1")
     torch.testing.assert_close(grouped.linear(x, a), plain.linear(x, b), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", "yes")
+    with pytest.raises(ValueError, match="PLINTH_CPU_Q4_1_GROUPS='yes': expected one of auto, 1, 0"):
+        NativeGemm(torch.float32, nk)
 
 
 @needs_native
