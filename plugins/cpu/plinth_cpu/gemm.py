@@ -157,12 +157,12 @@ class NativeGemm(CpuGemm):
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
         """Keep q4_1/q8_0 blocks (the bias in fp32); other formats are dequantized.
 
-        With int16 activations (the default) a q4_1 weight is laid out once in 4-row groups (format
-        ``"q4_1x4"``, the same values: see :meth:`NativeKernels.pack_q4_1x4`), which its few-row
-        kernel reads in one stream with a third fewer instructions; q8_0, and q4_1 under other
-        activations, keep their GGUF blocks as they are. float64 dequantizes too (exactly: the
-        blocks' values are fp32 numbers): the native kernels multiply and accumulate in fp32, an
-        fp32 result in a float64 GEMM (conformance 1.3 found it)."""
+        With int16 activations (the default) and the AVX-512 build (``PLINTH_CPU_Q4_1_GROUPS``), a
+        q4_1 weight is laid out once in 4-row groups (format ``"q4_1x4"``, the same values: see
+        :meth:`NativeKernels.pack_q4_1x4`), which its few-row kernel reads with a third fewer
+        instructions; q8_0, and q4_1 otherwise, keep their GGUF blocks as they are. float64
+        dequantizes too (exactly: the blocks' values are fp32 numbers): the native kernels multiply
+        and accumulate in fp32, an fp32 result in a float64 GEMM (conformance 1.3 found it)."""
         if weight.format not in QUANT_FORMATS or self.dtype == torch.float64:
             return super().prepare_quantized(weight, bias)
         b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
