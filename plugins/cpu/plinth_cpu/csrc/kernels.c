@@ -1510,39 +1510,33 @@ static void qgemm_range(void *p, int64_t begin, int64_t end) {
 
 /* q4_1x4: items are groups of 4 weight rows, taken two at a time; each pair meets every activation
  * row while its blocks are in L1 */
-static void qgemm_x4_range(void *p, int64_t begin, int64_t end) {
-    qgemm_ctx *c = (qgemm_ctx *)p;
+/* Groups gs[0..ng) against every activation row, into y (with the bias). */
+static void x4_groups_all_rows(const qgemm_ctx *c, const int64_t gs[X4_STREAMS], int ng) {
     size_t S = x4_stride(c->nb);
-    /* X4_STREAMS groups at a time from as many segments of the range (far apart in memory) */
-    int64_t seg = (end - begin) / X4_STREAMS;
-    for (int64_t i = 0; i < (seg ? seg : end - begin); i++) {
-        int ng = seg ? X4_STREAMS : 1;
-        int64_t gs[X4_STREAMS];
-        const uint8_t *G[X4_STREAMS];
-        for (int k = 0; k < ng; k++) gs[k] = begin + i + k * seg, G[k] = (const uint8_t *)c->w + (size_t)gs[k] * S;
-        for (int64_t m = 0; m < c->M; m++) {
-            float v[X4_STREAMS][4];
-            groups_x4(G, ng, c->xq16 + m * c->nb, c->nb, v);
-            float *y = c->y + m * c->N;
-            for (int k = 0; k < ng; k++)
-                for (int r = 0; r < 4; r++) {
-                    int64_t n = gs[k] * 4 + r;
-                    if (n < c->N) y[n] = v[k][r] + (c->bias ? c->bias[n] : 0.0f);
-                }
-        }
-    }
-    if (seg) /* the remainder: one group at a time */
-        for (int64_t g = begin + X4_STREAMS * seg; g < end; g++) {
-            const uint8_t *G[X4_STREAMS] = {(const uint8_t *)c->w + (size_t)g * S};
-            for (int64_t m = 0; m < c->M; m++) {
-                float v[X4_STREAMS][4];
-                groups_x4(G, 1, c->xq16 + m * c->nb, c->nb, v);
-                for (int r = 0; r < 4; r++) {
-                    int64_t n = g * 4 + r;
-                    if (n < c->N) c->y[m * c->N + n] = v[0][r] + (c->bias ? c->bias[n] : 0.0f);
-                }
+    const uint8_t *G[X4_STREAMS];
+    for (int k = 0; k < ng; k++) G[k] = (const uint8_t *)c->w + (size_t)gs[k] * S;
+    for (int64_t m = 0; m < c->M; m++) {
+        float v[X4_STREAMS][4];
+        groups_x4(G, ng, c->xq16 + m * c->nb, c->nb, v);
+        float *y = c->y + m * c->N;
+        for (int k = 0; k < ng; k++)
+            for (int r = 0; r < 4; r++) {
+                int64_t n = gs[k] * 4 + r;
+                if (n < c->N) y[n] = v[k][r] + (c->bias ? c->bias[n] : 0.0f);
             }
-        }
+    }
+}
+
+static void qgemm_x4_range(void *p, int64_t begin, int64_t end) {
+    const qgemm_ctx *c = (const qgemm_ctx *)p;
+    /* X4_STREAMS groups at a time from as many segments of the range (far apart in memory), then
+     * the remainder one group at a time */
+    int64_t seg = (end - begin) / X4_STREAMS, gs[X4_STREAMS];
+    for (int64_t i = 0; i < seg; i++) {
+        for (int k = 0; k < X4_STREAMS; k++) gs[k] = begin + i + k * seg;
+        x4_groups_all_rows(c, gs, X4_STREAMS);
+    }
+    for (gs[0] = begin + X4_STREAMS * seg; gs[0] < end; gs[0]++) x4_groups_all_rows(c, gs, 1);
 }
 
 /* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b for few rows M, with activations (act) in fp32 as
@@ -1614,7 +1608,6 @@ typedef struct {
 static void dequant_range(void *p, int64_t begin, int64_t end) {
     dequant_ctx *c = (dequant_ctx *)p;
     for (int64_t n = begin; n < end; n++) {
-        const char *row = c->w + (size_t)n * c->nb * c->bsz;
         float *o = c->out + n * c->K;
         if (c->fmt == FMT_Q4_1X4) { /* row r of its group: 16 bytes of each block, nibble p is values 8p..8p+7 */
             const char *base = c->w + (size_t)(n / 4) * x4_stride(c->nb);
@@ -1631,6 +1624,7 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
             }
             continue;
         }
+        const char *row = c->w + (size_t)n * c->nb * c->bsz;
         for (int64_t b = 0; b < c->nb; b++) { /* 8 values per vector: widen, convert, scale */
             float *ob = o + b * QK;
             if (c->fmt == 0) { /* value j is d * nibble + m: low nibbles are values 0-15, high ones 16-31 */
