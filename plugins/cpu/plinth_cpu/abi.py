@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -144,6 +144,9 @@ FUNCTIONS: dict[str, CFunction] = {
         "const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens, float *out, int64_t G, "
         "int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, "
         "float soft_cap",
+    ),
+    "plinth_convert": CFunction(
+        "void", "int st, const void *src, int64_t ss, int dt, void *dst, int64_t T, int64_t H", 16, "T"
     ),
     "plinth_graph_run": CFunction("int64_t", "const plinth_op *ops, int64_t n, int64_t captured, int64_t rows"),
 }

@@ -82,6 +82,8 @@ ACTIVATIONS: dict[str, int] = {"fp32": 0, "int8": 1, "int16": 2}
 
 #: 16-bit panel dtypes -> their ``wt`` code in ``plinth_gemm_panels16``.
 PANEL16_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
+#: The element kinds the kernels read and write (``W_F32``, ``W_BF16``, ``W_F16`` in ``kernels.c``).
+ELEMENT_TYPES: dict[torch.dtype, int] = {torch.float32: 0, **PANEL16_DTYPES}
 
 
 class GraphError(RuntimeError):
@@ -397,6 +399,23 @@ class NativeKernels:
         T, H, D = x.shape
         out = torch.empty(T, H, D, dtype=torch.float32)
         self.lib.plinth_rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), T, H, D, eps)
+        return out
+
+    def convert(self, x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [T, H] (fp32, bf16 or fp16; elements dense, rows any stride) as ``dtype`` [T, H]
+        contiguous (into ``out`` when given): widened exactly, or rounded as torch rounds
+        (``x.to(dtype)`` bit for bit). One native call, which a step graph records."""
+        if x.dtype not in ELEMENT_TYPES or dtype not in ELEMENT_TYPES:
+            raise ValueError(f"the kernels convert between {sorted(map(str, ELEMENT_TYPES))}, not {x.dtype} -> {dtype}")
+        if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+            raise ValueError(f"convert takes [T, H] with dense rows, not shape {tuple(x.shape)} strides {x.stride()}")
+        T, H = x.shape
+        if out is None:
+            out = torch.empty(T, H, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != (T, H) or not out.is_contiguous():
+            raise ValueError(f"convert's out must be a contiguous {dtype} [{T}, {H}]")
+        self.lib.plinth_convert(ELEMENT_TYPES[x.dtype], x.data_ptr(), x.stride(0), ELEMENT_TYPES[dtype],
+                                out.data_ptr(), T, H)  # fmt: skip
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 13
+#define PLINTH_ABI_VERSION 14
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -38,6 +38,7 @@ void plinth_rotary(const float *x, int64_t sx, float *out, const int64_t *positi
 void plinth_write_kv(const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs);
 int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
 int plinth_prefill_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens, float *out, int64_t G, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
+void plinth_convert(int st, const void *src, int64_t ss, int dt, void *dst, int64_t T, int64_t H);
 int64_t plinth_graph_run(const plinth_op *ops, int64_t n, int64_t captured, int64_t rows);
 
 enum {
@@ -56,6 +57,7 @@ enum {
     OP_RMS_NORM_HEADS = 13,
     OP_GELU_TANH_AND_MUL = 14,
     OP_GEMM_PANELS16 = 15,
+    OP_CONVERT = 16,
 };
 
 /* Where an op of `kind` holds its row count in plinth_op.a; -1: the op has none. */
@@ -74,6 +76,7 @@ static int op_rows_arg(int64_t kind) {
     case OP_RMS_NORM_HEADS: return 4;
     case OP_GELU_TANH_AND_MUL: return 2;
     case OP_GEMM_PANELS16: return 5;
+    case OP_CONVERT: return 5;
     default: return -1;
     }
 }
@@ -121,6 +124,9 @@ static int run_op(const plinth_op *op) {
         return 0;
     case OP_GEMM_PANELS16:
         return plinth_gemm_panels16((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7]) != 0;
+    case OP_CONVERT:
+        plinth_convert((int)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6]);
+        return 0;
     default: return -1;
     }
 }

@@ -444,6 +444,52 @@ static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64
 }
 #endif
 
+/* Rounding to 16 bits, as torch rounds (so a native op's bf16/fp16 output equals torch's cast of the
+ * same fp32 values): round to nearest, ties to even; a NaN becomes the canonical quiet NaN 0x7FC0
+ * (bf16) or stays a NaN (fp16, F16C's vcvtps2ph), and overflow goes to infinity. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline __attribute__((always_inline)) __m128i f32_to_bf16_8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(
+        u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    r = _mm256_srli_epi32(r, 16); /* 0..0xFFFF: unsigned saturation packs it as is */
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+/* 8 fp32 values into element i of a buffer of kind wt (W_F32, W_BF16 or W_F16) */
+static inline __attribute__((always_inline)) void store8w(void *P, int64_t i, __m256 v, int wt) {
+    if (wt == W_BF16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)P + i), f32_to_bf16_8(v));
+    else if (wt == W_F16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)P + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else
+        _mm256_storeu_ps((float *)P + i, v);
+}
+/* one value of kind wt, as fp32 / stored */
+static inline float load1w(const void *P, int64_t i, int wt) {
+    if (wt == W_BF16) {
+        uint32_t u = (uint32_t)((const uint16_t *)P)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    if (wt == W_F16) return fp16_to_f32(((const uint16_t *)P)[i]);
+    return ((const float *)P)[i];
+}
+static inline void store1w(void *P, int64_t i, float v, int wt) {
+    if (wt == W_BF16)
+        ((uint16_t *)P)[i] = f32_to_bf16(v);
+    else if (wt == W_F16)
+        ((uint16_t *)P)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    else
+        ((float *)P)[i] = v;
+}
+
 /* n (a multiple of 8) weights of kind wt from src as fp32 into dst */
 static inline __attribute__((always_inline)) void widen_w(const void *src, float *dst, int64_t n, int wt, int pf) {
     int64_t i = 0;
@@ -1840,6 +1886,33 @@ void plinth_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
 void plinth_gelu_tanh_and_mul(const float *x, float *out, int64_t T, int64_t I) {
     silu_ctx c = {x, out, I, 1};
     parallel_for(silu_range, &c, T, grain_for(T, 8));
+}
+
+typedef struct {
+    const void *src;
+    int64_t ss;
+    void *dst;
+    int64_t H;
+    int st, dt;
+} convert_ctx;
+
+static void convert_range(void *p, int64_t begin, int64_t end) {
+    convert_ctx *c = (convert_ctx *)p;
+    for (int64_t t = begin; t < end; t++) {
+        const void *s = wat(c->src, t * c->ss, c->st);
+        void *d = (char *)c->dst + t * c->H * (int64_t)wsize(c->dt);
+        int64_t i = 0;
+        for (; i + 8 <= c->H; i += 8) store8w(d, i, load8w(s, i, c->st), c->dt);
+        for (; i < c->H; i++) store1w(d, i, load1w(s, i, c->st), c->dt);
+    }
+}
+
+/* dst [T, H] (contiguous, elements of kind dt) = src [T, H] (kind st, rows ss elements apart), each
+ * value widened exactly or rounded as torch rounds: the boundary between a 16-bit model's tensors and
+ * the fp32 kernels, recorded in step graphs like the kernels themselves. */
+void plinth_convert(int st, const void *src, int64_t ss, int dt, void *dst, int64_t T, int64_t H) {
+    convert_ctx c = {src, ss, dst, H, st, dt};
+    parallel_for(convert_range, &c, T, grain_for(T, 64));
 }
 
 /* Structured output: logits[s, t] = -inf where bit t % 32 of word t // 32 of row s of the bitmask
