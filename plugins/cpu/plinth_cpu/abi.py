@@ -103,22 +103,25 @@ FUNCTIONS: dict[str, CFunction] = {
     "plinth_dequant": CFunction("void", "int fmt, const void *w, float *out, int64_t N, int64_t K", 4),
     "plinth_dequant_panels": CFunction("int", "int fmt, const void *w, float *P, int64_t N, int64_t K", 12),
     "plinth_rms_norm": CFunction(
-        "void", "const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H, float eps", 6, "T"
+        "void",
+        "int dt, const void *x, void *residual, const void *w, void *out, int64_t T, int64_t H, float eps",
+        6,
+        "T",
     ),
     "plinth_rms_norm_heads": CFunction(
         "void",
-        "const float *x, int64_t sx, const float *w, float *out, int64_t T, int64_t Hh, int64_t D, float eps",
+        "int dt, const void *x, int64_t sx, const void *w, void *out, int64_t T, int64_t Hh, int64_t D, float eps",
         13,
         "T",
     ),
-    "plinth_silu_and_mul": CFunction("void", "const float *x, float *out, int64_t T, int64_t I", 7, "T"),
-    "plinth_gelu_tanh_and_mul": CFunction("void", "const float *x, float *out, int64_t T, int64_t I", 14, "T"),
+    "plinth_silu_and_mul": CFunction("void", "int dt, const void *x, void *out, int64_t T, int64_t I", 7, "T"),
+    "plinth_gelu_tanh_and_mul": CFunction("void", "int dt, const void *x, void *out, int64_t T, int64_t I", 14, "T"),
     "plinth_apply_token_bitmask": CFunction(
         "void", "float *logits, int64_t stride, const int32_t *bitmask, int64_t S, int64_t V, int64_t W"
     ),
     "plinth_rotary": CFunction(
         "void",
-        "const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T, "
+        "int dt, const void *x, int64_t sx, void *out, const int64_t *positions, const float *cos_sin, int64_t T, "
         "int64_t H, int64_t D, int64_t rotary_dim",
         8,
         "T",

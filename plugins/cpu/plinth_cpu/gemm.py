@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.platform.quant import QuantizedWeight
-from plinth_cpu.native import PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels
+from plinth_cpu.native import ELEMENT_TYPES, PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels
 
 #: ``LinearWeight.format`` of an fp32 weight laid out in 8-row panels for the native kernels.
 PANELS = "f32_panels"
@@ -137,13 +137,20 @@ class NativeGemm(CpuGemm):
         self.stored_dtypes = frozenset(PANEL16_DTYPES) if keep16 else frozenset()
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
-        """As :meth:`CpuGemm.prepare`; in an fp32 model, weights with K a multiple of 8 are laid out in
-        panels instead: a bf16/fp16 weight (a checkpoint stored in 16 bits) keeps its 16 bits (format
+        """As :meth:`CpuGemm.prepare`; weights with K a multiple of 8 are laid out in panels instead.
+        In an fp32 model a bf16/fp16 weight (a checkpoint stored in 16 bits) keeps its 16 bits (format
         ``"w16_panels"``: half the bytes to read, the same products as its fp32 values), any other
-        one is cast to fp32 (format ``"f32_panels"``)."""
-        if weight.dtype in self.stored_dtypes and weight.shape[1] % 8 == 0:
-            b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
-            panels = self.native.pack_16(weight.to(device="cpu").contiguous())
+        one is cast to fp32 (format ``"f32_panels"``). A bf16 or fp16 model casts every weight to its
+        dtype and keeps it in 16-bit panels (its bias the dtype's values, held in fp32)."""
+        if self.dtype in PANEL16_DTYPES:
+            stored = self.dtype
+        elif weight.dtype in self.stored_dtypes:
+            stored = weight.dtype
+        else:
+            stored = None
+        if stored is not None and weight.shape[1] % 8 == 0:
+            b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).to(torch.float32).contiguous()
+            panels = self.native.pack_16(weight.to(device="cpu", dtype=stored).contiguous())
             n, k = weight.shape
             return LinearWeight(n, k, weight=None, bias=b, format=PANELS16, data={"panels": panels})
         prepared = super().prepare(weight, bias)
@@ -174,19 +181,19 @@ class NativeGemm(CpuGemm):
         return LinearWeight(n, k, weight=None, bias=b, format=weight.format, data={"blocks": blocks})
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-        """``x`` [M, K] -> [M, N]."""
+        """``x`` [M, K] -> [M, N]. A bf16/fp16 ``x`` is widened to fp32 and the fp32 result rounded
+        back to its dtype once, by native calls (so a 16-bit model's step records in a graph)."""
         if weight.format in (PANELS, PANELS16):
-            xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
             gemm = self.native.gemm_f32_panels if weight.format == PANELS else self.native.gemm_panels16
-            y = gemm(xf, weight.data["panels"], weight.bias, weight.out_features)
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
+            y = gemm(self._as_f32(x), weight.data["panels"], weight.bias, weight.out_features)
+            return self._as_dtype(y, x.dtype)
         if weight.format in QUANT_FORMATS or weight.format == Q4_1X4:
             return self._linear_quantized(x, weight)
         return super().linear(x, weight)
 
     def _linear_quantized(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         native = self.native
-        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        xf = self._as_f32(x)
         blocks = weight.data["blocks"]
         n = weight.out_features
         m = x.shape[0]
@@ -204,4 +211,18 @@ class NativeGemm(CpuGemm):
                     self._scratch = torch.empty(size, dtype=torch.float32)
                 panels = native.dequant_panels(weight.format, blocks, n, k, self._scratch)
                 y = native.gemm_f32_panels(xf, panels, weight.bias, n)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self._as_dtype(y, x.dtype)
+
+    def _as_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a contiguous fp32 tensor: itself, a native widening of a bf16/fp16 ``x``, or torch's."""
+        if x.dtype == torch.float32 and x.is_contiguous():
+            return x
+        if x.dtype in ELEMENT_TYPES and x.stride(-1) == 1:
+            return self.native.convert(x, torch.float32)
+        return x.to(torch.float32).contiguous()
+
+    def _as_dtype(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 result ``y`` in ``dtype``, rounded by a native call where it is bf16/fp16."""
+        if dtype == torch.float32:
+            return y
+        return self.native.convert(y, dtype) if dtype in ELEMENT_TYPES else y.to(dtype)

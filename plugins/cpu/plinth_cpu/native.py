@@ -386,19 +386,22 @@ class NativeKernels:
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """RMSNorm of ``x`` [T, H]; with ``residual``, of ``residual += x`` (updated in place)."""
+        """RMSNorm of ``x`` [T, H]; with ``residual``, of ``residual += x`` (updated in place). Every
+        tensor fp32, bf16 or fp16 alike (16-bit values computed in fp32, each result rounded once)."""
         T, H = x.shape
         out = torch.empty_like(x)
-        self.lib.plinth_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                                 weight.data_ptr(), out.data_ptr(), T, H, eps)  # fmt: skip
+        res = None if residual is None else residual.data_ptr()
+        dt = ELEMENT_TYPES[x.dtype]
+        self.lib.plinth_rms_norm(dt, x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), T, H, eps)
         return out
 
     def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each head of ``x`` [T, H, D] (heads dense, any token stride; D a multiple of 8)
-        over its D values times ``weight`` [D] -> a new contiguous [T, H, D]."""
+        over its D values times ``weight`` [D] (of ``x``'s dtype) -> a new contiguous [T, H, D]."""
         T, H, D = x.shape
-        out = torch.empty(T, H, D, dtype=torch.float32)
-        self.lib.plinth_rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), T, H, D, eps)
+        out = torch.empty(T, H, D, dtype=x.dtype)
+        self.lib.plinth_rms_norm_heads(ELEMENT_TYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                       out.data_ptr(), T, H, D, eps)  # fmt: skip
         return out
 
     def convert(self, x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -422,14 +425,14 @@ class NativeKernels:
         """``silu(x[:, :I]) * x[:, I:]`` for ``x`` [T, 2I]."""
         T, I2 = x.shape
         out = torch.empty(T, I2 // 2, dtype=x.dtype)
-        self.lib.plinth_silu_and_mul(x.data_ptr(), out.data_ptr(), T, I2 // 2)
+        self.lib.plinth_silu_and_mul(ELEMENT_TYPES[x.dtype], x.data_ptr(), out.data_ptr(), T, I2 // 2)
         return out
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu_tanh(x[:, :I]) * x[:, I:]`` for ``x`` [T, 2I] (GELU's tanh form, as sigmoid)."""
         T, I2 = x.shape
         out = torch.empty(T, I2 // 2, dtype=x.dtype)
-        self.lib.plinth_gelu_tanh_and_mul(x.data_ptr(), out.data_ptr(), T, I2 // 2)
+        self.lib.plinth_gelu_tanh_and_mul(ELEMENT_TYPES[x.dtype], x.data_ptr(), out.data_ptr(), T, I2 // 2)
         return out
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -440,11 +443,12 @@ class NativeKernels:
                                             bitmask.shape[1])  # fmt: skip
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-        """NeoX rotary of ``x`` [T, H, D] (heads dense, any token stride) -> a new contiguous tensor."""
+        """NeoX rotary of ``x`` [T, H, D] (heads dense, any token stride; fp32, bf16 or fp16) at
+        ``positions`` from the fp32 ``cos_sin`` -> a new contiguous tensor of ``x``'s dtype."""
         T, H, D = x.shape
-        out = torch.empty(T, H, D, dtype=torch.float32)
-        self.lib.plinth_rotary(x.data_ptr(), x.stride(0), out.data_ptr(), positions.data_ptr(), cos_sin.data_ptr(),
-                               T, H, D, rotary_dim)  # fmt: skip
+        out = torch.empty(T, H, D, dtype=x.dtype)
+        self.lib.plinth_rotary(ELEMENT_TYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), positions.data_ptr(),
+                               cos_sin.data_ptr(), T, H, D, rotary_dim)  # fmt: skip
         return out
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

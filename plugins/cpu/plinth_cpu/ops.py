@@ -1,11 +1,13 @@
-"""Norm, activation and rotary ops for the CPU backend: native kernels for fp32, torch otherwise."""
+"""Norm, activation and rotary ops for the CPU backend: native kernels for fp32, bf16 and fp16
+activations (16-bit values widened exactly, computed in fp32, each result rounded once), torch
+otherwise."""
 
 from __future__ import annotations
 
 import torch
 
 from plinth.platform.backend import SmallOps
-from plinth_cpu.native import NativeKernels
+from plinth_cpu.native import ELEMENT_TYPES, NativeKernels
 
 
 class TorchOps(SmallOps):
@@ -17,7 +19,8 @@ class TorchOps(SmallOps):
 
 
 class CpuOps(TorchOps):
-    """:class:`TorchOps` with one native call per op where the operands are fp32 (else torch's).
+    """:class:`TorchOps` with one native call per op where the operands are fp32, bf16 or fp16 (of
+    one dtype; else torch's).
 
     Each torch default is several kernels over the activations (RMSNorm: square, mean, rsqrt,
     two multiplies); at decode sizes their dispatch costs more than the arithmetic. The backend
@@ -30,7 +33,7 @@ class CpuOps(TorchOps):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim: ``x / rms(x) * weight``."""
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 8:
+        if x.dtype not in ELEMENT_TYPES or weight.dtype != x.dtype or x.dim() != 2 or x.shape[1] % 8:
             return super().rms_norm(x, weight, eps)
         return self.native.rms_norm(x.contiguous(), weight.contiguous(), eps)
 
@@ -39,9 +42,9 @@ class CpuOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` in place, then ``(RMSNorm(residual), residual)``, in one native pass."""
         if (
-            x.dtype != torch.float32
-            or residual.dtype != torch.float32
-            or weight.dtype != torch.float32
+            x.dtype not in ELEMENT_TYPES
+            or residual.dtype != x.dtype
+            or weight.dtype != x.dtype
             or x.dim() != 2
             or x.shape != residual.shape
             or x.shape[1] % 8
@@ -52,13 +55,13 @@ class CpuOps(TorchOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-        if x.dtype != torch.float32 or x.dim() != 2:
+        if x.dtype not in ELEMENT_TYPES or x.dim() != 2:
             return super().silu_and_mul(x)
         return self.native.silu_and_mul(x.contiguous())
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:] (Gemma 3's MLP) in one native pass."""
-        if x.dtype != torch.float32 or x.dim() != 2:
+        if x.dtype not in ELEMENT_TYPES or x.dim() != 2:
             return super().gelu_tanh_and_mul(x)
         return self.native.gelu_tanh_and_mul(x.contiguous())
 
@@ -81,8 +84,8 @@ class CpuOps(TorchOps):
         """RMSNorm of each head of ``x`` [T, H, D] read in place from the strided view of the fused
         QKV (torch's default copies it dense first, which keeps a decode step out of a step graph)."""
         if (
-            x.dtype != torch.float32
-            or weight.dtype != torch.float32
+            x.dtype not in ELEMENT_TYPES
+            or weight.dtype != x.dtype
             or x.dim() != 3
             or x.stride(2) != 1
             or x.stride(1) != x.shape[2]
@@ -94,7 +97,7 @@ class CpuOps(TorchOps):
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
         """NeoX rotary of ``x`` [T, H, D] at ``positions`` [T] (a new tensor; ``x`` is not modified)."""
         if (
-            x.dtype != torch.float32
+            x.dtype not in ELEMENT_TYPES
             or cos_sin.dtype != torch.float32
             or positions.dtype != torch.int64
             or x.dim() != 3

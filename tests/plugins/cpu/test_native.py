@@ -731,7 +731,7 @@ def test_replay_names_a_call_the_library_does_not_know(nk: NativeKernels, monkey
     graph = NativeGraph(
         nk.lib,
         [
-            ("plinth_silu_and_mul", (x.data_ptr(), out.data_ptr(), 2, 16)),
+            ("plinth_silu_and_mul", (0, x.data_ptr(), out.data_ptr(), 2, 16)),
             ("plinth_gemm_f32", (out.data_ptr(), w.data_ptr(), None, y.data_ptr(), 2, 8, 16)),
         ],
     )
@@ -827,3 +827,142 @@ def test_builds_agree_on_fp32_panels(m: int) -> None:
             assert torch.equal(y, ys[0])
         torch.testing.assert_close(y, ys[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ys[0], F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+# ---- 16-bit activations (a bf16/fp16 model on the native kernels) --------------------------------
+
+HALVES = pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The values' bit patterns with every NaN made one pattern (torch.equal treats NaN as unequal)."""
+    ints = t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+    return torch.where(t.isnan(), torch.zeros_like(ints), ints)
+
+
+def _awkward(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """fp32 values that exercise rounding: ties, specials, values past the 16-bit ranges."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * 300
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0, 1e-40])
+    x[1] = (torch.randint(-(2**15), 2**15, (cols,), generator=gen).float() + 0.5) / 256  # ties at 16 bits
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "fp16"])
+@pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float16], ids=["to_f32", "to_bf16", "to_fp16"])
+def test_convert_is_torchs_cast_bit_for_bit(nk: NativeKernels, src: torch.dtype, dst: torch.dtype) -> None:
+    """Widening is exact and rounding is torch's (nearest, ties to even; NaN, infinities, overflow),
+    over rows of a strided view (cols 203: an 8-wide loop and a scalar tail)."""
+    wide = _awkward(37, 230, seed=1).to(src)
+    x = wide[:, 11:214]  # [37, 203], rows 230 apart
+    assert torch.equal(_bits(nk.convert(x, dst)), _bits(x.to(dst)))
+    out = torch.empty(37, 203, dtype=dst)
+    assert nk.convert(x, dst, out=out) is out
+
+
+@needs_native
+def test_convert_names_what_it_cannot_take(nk: NativeKernels) -> None:
+    with pytest.raises(ValueError, match="float64"):
+        nk.convert(torch.zeros(2, 8, dtype=torch.float64), torch.float32)
+    with pytest.raises(ValueError, match="dense rows"):
+        nk.convert(torch.zeros(8, 2).t(), torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        nk.convert(torch.zeros(2, 8), torch.bfloat16, out=torch.empty(2, 8))
+
+
+@needs_native
+@HALVES
+def test_16bit_small_ops_are_the_fp32_ops_rounded_once(nk: NativeKernels, half: torch.dtype) -> None:
+    """Each op on 16-bit tensors computes in fp32 from the exactly widened values and rounds its
+    result once: bit for bit the fp32 kernel's result cast to the 16-bit dtype."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 64, generator=gen) * 4).to(half)
+    res = (torch.randn(7, 64, generator=gen) * 4).to(half)
+    w = (torch.rand(64, generator=gen) + 0.5).to(half)
+    f = torch.float32
+    assert torch.equal(nk.rms_norm(x, w, 1e-6), nk.rms_norm(x.to(f), w.to(f), 1e-6).to(half))
+    # with the residual: the 16-bit sum is stored, and that rounded sum is normed
+    r16, r32 = res.clone(), (res.to(f) + x.to(f)).to(half).to(f)
+    out16 = nk.rms_norm(x, w, 1e-6, residual=r16)
+    assert torch.equal(r16, r32.to(half))
+    assert torch.equal(out16, nk.rms_norm(r32, w.to(f), 1e-6).to(half))
+    heads = (torch.randn(5, 3 * 4 * 32, generator=gen) * 3).to(half)[:, 32:].view(5, -1)[:, : 2 * 4 * 32]
+    q = heads.view(5, 8, 32)  # [5, 8, 32], tokens 352 apart: a view of a fused QKV
+    hw = (torch.rand(32, generator=gen) + 0.5).to(half)
+    assert torch.equal(nk.rms_norm_heads(q, hw, 1e-6), nk.rms_norm_heads(q.to(f), hw.to(f), 1e-6).to(half))
+    gu = (torch.randn(6, 2 * 44, generator=gen) * 3).to(half)  # I = 44: an 8-wide loop and a tail
+    assert torch.equal(nk.silu_and_mul(gu), nk.silu_and_mul(gu.to(f)).to(half))
+    assert torch.equal(nk.gelu_tanh_and_mul(gu), nk.gelu_tanh_and_mul(gu.to(f)).to(half))
+    pos = torch.tensor([0, 5, 17, 2, 9], dtype=torch.int64)
+    cs = torch.randn(32, 24, generator=gen)  # rotary_dim 24 of 32: a copied tail
+    assert torch.equal(nk.rotary(q, pos, cs, 24), nk.rotary(q.to(f), pos, cs, 24).to(half))
+
+
+@needs_native
+@HALVES
+def test_cpu_ops_take_16bit_activations_natively(nk: NativeKernels, half: torch.dtype) -> None:
+    """CpuOps runs a 16-bit model's norms, activations and rotary natively, near torch's own
+    (which rounds after every intermediate op) and nearer the fp32 result."""
+    gen = torch.Generator().manual_seed(4)
+    ops, ref = CpuOps(nk), SmallOps()
+    x = torch.randn(9, 128, generator=gen).to(half)
+    w = (torch.rand(128, generator=gen) + 0.5).to(half)
+    calls: list[str] = []
+    lib = nk.lib
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            calls.append(name)
+            return getattr(lib, name)
+
+    nk.lib = Spy()  # type: ignore[assignment]
+    try:
+        got = {
+            "rms_norm": ops.rms_norm(x, w, 1e-5),
+            "silu": ops.silu_and_mul(x),
+            "gelu": ops.gelu_tanh_and_mul(x),
+            "rotary": ops.rotary(x.view(9, 2, 64), torch.arange(9), torch.randn(16, 64, generator=gen), 64),
+        }
+    finally:
+        nk.lib = lib
+    assert calls == ["plinth_rms_norm", "plinth_silu_and_mul", "plinth_gelu_tanh_and_mul", "plinth_rotary"]
+    assert all(t.dtype == half for t in got.values())
+    tol = {"rtol": 1e-2, "atol": 1e-2} if half == torch.bfloat16 else {"rtol": 2e-3, "atol": 2e-3}
+    torch.testing.assert_close(got["rms_norm"], ref.rms_norm(x, w, 1e-5), **tol)
+    torch.testing.assert_close(got["silu"].float(), ref.silu_and_mul(x.float()), **tol)
+    torch.testing.assert_close(got["gelu"].float(), ref.gelu_tanh_and_mul(x.float()), **tol)
+
+
+@needs_native
+@HALVES
+@pytest.mark.parametrize("m", [1, 5, 33, 130])  # few-row tiles, row groups, the 17-95-row path, prefill tiles
+def test_16bit_model_gemm_is_the_fp32_product_rounded_once(nk: NativeKernels, half: torch.dtype, m: int) -> None:
+    """A bf16/fp16 model's GEMM keeps its weights in 16-bit panels and rounds the fp32 product once:
+    bit for bit the fp32 model's product over the same 16-bit weights and widened ``x``, cast to
+    the 16-bit dtype; the bias is the model dtype's value. A strided ``x`` is read in place."""
+    gen = torch.Generator().manual_seed(m)
+    w, b = torch.randn(72, 96, generator=gen), torch.randn(72, generator=gen)
+    wide = (torch.randn(m, 200, generator=gen) * 2).to(half)
+    x = wide[:, 7:103]  # [m, 96], rows 200 apart
+    g16 = NativeGemm(half, nk)
+    lw = g16.prepare(w, b)
+    assert lw.format == "w16_panels" and lw.data["panels"].dtype == half
+    y = g16.linear(x, lw)
+    g32 = NativeGemm(torch.float32, nk)
+    lw32 = g32.prepare(w.to(half), b.to(half).float())  # a 16-bit checkpoint in an fp32 model
+    assert lw32.format == "w16_panels"
+    assert y.dtype == half and torch.equal(y, g32.linear(x.float(), lw32).to(half))
+
+
+@needs_native
+@HALVES
+def test_16bit_model_quantized_gemm_rounds_the_fp32_product(nk: NativeKernels, half: torch.dtype) -> None:
+    """GGUF blocks in a 16-bit model: the fp32 kernels over the widened ``x``, rounded once."""
+    gen = torch.Generator().manual_seed(9)
+    qw = quantize_q8_0(torch.randn(40, 64, generator=gen))
+    x = torch.randn(3, 64, generator=gen).to(half)
+    y = NativeGemm(half, nk).linear(x, NativeGemm(half, nk).prepare_quantized(qw, None))
+    g32 = NativeGemm(torch.float32, nk)
+    assert y.dtype == half and torch.equal(y, g32.linear(x.float(), g32.prepare_quantized(qw, None)).to(half))

@@ -29,12 +29,12 @@ void plinth_round_trip_q8(const float *x, float *out, int64_t M, int64_t K);
 int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 void plinth_dequant(int fmt, const void *w, float *out, int64_t N, int64_t K);
 int plinth_dequant_panels(int fmt, const void *w, float *P, int64_t N, int64_t K);
-void plinth_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H, float eps);
-void plinth_rms_norm_heads(const float *x, int64_t sx, const float *w, float *out, int64_t T, int64_t Hh, int64_t D, float eps);
-void plinth_silu_and_mul(const float *x, float *out, int64_t T, int64_t I);
-void plinth_gelu_tanh_and_mul(const float *x, float *out, int64_t T, int64_t I);
+void plinth_rms_norm(int dt, const void *x, void *residual, const void *w, void *out, int64_t T, int64_t H, float eps);
+void plinth_rms_norm_heads(int dt, const void *x, int64_t sx, const void *w, void *out, int64_t T, int64_t Hh, int64_t D, float eps);
+void plinth_silu_and_mul(int dt, const void *x, void *out, int64_t T, int64_t I);
+void plinth_gelu_tanh_and_mul(int dt, const void *x, void *out, int64_t T, int64_t I);
 void plinth_apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, int64_t S, int64_t V, int64_t W);
-void plinth_rotary(const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T, int64_t H, int64_t D, int64_t rotary_dim);
+void plinth_rotary(int dt, const void *x, int64_t sx, void *out, const int64_t *positions, const float *cos_sin, int64_t T, int64_t H, int64_t D, int64_t rotary_dim);
 void plinth_write_kv(const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs);
 int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
 int plinth_prefill_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens, float *out, int64_t G, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
@@ -67,14 +67,14 @@ static int op_rows_arg(int64_t kind) {
     case OP_GEMM_QUANT: return 6;
     case OP_GEMM_DEQUANT: return 5;
     case OP_ROUND_TRIP_Q8: return 2;
-    case OP_RMS_NORM: return 4;
-    case OP_SILU_AND_MUL: return 2;
-    case OP_ROTARY: return 5;
+    case OP_RMS_NORM: return 5;
+    case OP_SILU_AND_MUL: return 3;
+    case OP_ROTARY: return 6;
     case OP_WRITE_KV: return 6;
     case OP_DECODE_ATTENTION: return 7;
     case OP_GEMM_F32_PANELS: return 4;
-    case OP_RMS_NORM_HEADS: return 4;
-    case OP_GELU_TANH_AND_MUL: return 2;
+    case OP_RMS_NORM_HEADS: return 5;
+    case OP_GELU_TANH_AND_MUL: return 3;
     case OP_GEMM_PANELS16: return 5;
     case OP_CONVERT: return 5;
     default: return -1;
@@ -98,13 +98,13 @@ static int run_op(const plinth_op *op) {
         plinth_round_trip_q8((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int64_t)op->a[3]);
         return 0;
     case OP_RMS_NORM:
-        plinth_rms_norm((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (int64_t)op->a[4], (int64_t)op->a[5], op->f[0]);
+        plinth_rms_norm((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], op->f[0]);
         return 0;
     case OP_SILU_AND_MUL:
-        plinth_silu_and_mul((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int64_t)op->a[3]);
+        plinth_silu_and_mul((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (int64_t)op->a[3], (int64_t)op->a[4]);
         return 0;
     case OP_ROTARY:
-        plinth_rotary((void *)(intptr_t)op->a[0], (int64_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8]);
+        plinth_rotary((int)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (void *)(intptr_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8], (int64_t)op->a[9]);
         return 0;
     case OP_WRITE_KV:
         plinth_write_kv((void *)(intptr_t)op->a[0], (int64_t)op->a[1], (void *)(intptr_t)op->a[2], (int64_t)op->a[3], (void *)(intptr_t)op->a[4], (void *)(intptr_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8], (int64_t)op->a[9], (int64_t)op->a[10]);
@@ -117,10 +117,10 @@ static int run_op(const plinth_op *op) {
     case OP_DEQUANT_PANELS:
         return plinth_dequant_panels((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (int64_t)op->a[3], (int64_t)op->a[4]) != 0;
     case OP_RMS_NORM_HEADS:
-        plinth_rms_norm_heads((void *)(intptr_t)op->a[0], (int64_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (int64_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], op->f[0]);
+        plinth_rms_norm_heads((int)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7], op->f[0]);
         return 0;
     case OP_GELU_TANH_AND_MUL:
-        plinth_gelu_tanh_and_mul((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int64_t)op->a[3]);
+        plinth_gelu_tanh_and_mul((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (int64_t)op->a[3], (int64_t)op->a[4]);
         return 0;
     case OP_GEMM_PANELS16:
         return plinth_gemm_panels16((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7]) != 0;

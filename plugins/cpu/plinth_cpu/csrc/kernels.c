@@ -1795,96 +1795,121 @@ int plinth_dequant_panels(int fmt, const void *w, float *P, int64_t N, int64_t K
  * Small ops over [T, H] rows.
  */
 typedef struct {
-    const float *x;
-    float *residual;
-    const float *w;
-    float *out;
-    int64_t H;     /* floats per normed row */
+    const void *x;
+    void *residual;
+    const void *w;
+    void *out;
+    int64_t H;     /* values per normed row */
     float eps;
     int64_t heads; /* rows per token (1, or the heads of rms_norm_heads) */
-    int64_t sx;    /* floats from one token's rows to the next's (rows of a token are H apart) */
+    int64_t sx;    /* elements from one token's rows to the next's (rows of a token are H apart) */
+    int dt;        /* the element kind of x, residual, w and out: W_F32, W_BF16 or W_F16 */
 } norm_ctx;
 
-/* items are rows: row t is head t % heads of token t / heads */
-static void rms_norm_range(void *p, int64_t begin, int64_t end) {
-    norm_ctx *c = (norm_ctx *)p;
+/* Activations of kind dt are widened exactly as they are read and rounded once as they are stored
+ * (as torch's bf16/fp16 RMSNorm computes in fp32 and rounds its result); `dt` is a constant wherever
+ * the workers below are inlined, so the fp32 loops are the plain ones. */
+static inline __attribute__((always_inline)) void rms_norm_rows(const norm_ctx *c, int64_t begin, int64_t end,
+                                                                int dt) {
     int64_t H = c->H;
     for (int64_t t = begin; t < end; t++) {
-        const float *src = c->x + (t / c->heads) * c->sx + (t % c->heads) * H;
-        if (c->residual) {
-            float *r = c->residual + t * H;
-            for (int64_t h = 0; h < H; h += 8)
-                _mm256_storeu_ps(r + h, _mm256_add_ps(_mm256_loadu_ps(r + h), _mm256_loadu_ps(src + h)));
+        const void *src = wat(c->x, (t / c->heads) * c->sx + (t % c->heads) * H, dt);
+        if (c->residual) { /* the sum is stored (rounded to dt) and the stored sum is normed */
+            void *r = (void *)wat(c->residual, t * H, dt);
+            for (int64_t h = 0; h < H; h += 8) store8w(r, h, _mm256_add_ps(load8w(r, h, dt), load8w(src, h, dt)), dt);
             src = r;
         }
         __m256 ss = _mm256_setzero_ps();
         for (int64_t h = 0; h < H; h += 8) {
-            __m256 v = _mm256_loadu_ps(src + h);
+            __m256 v = load8w(src, h, dt);
             ss = _mm256_fmadd_ps(v, v, ss);
         }
         __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum256(ss) / (float)H + c->eps));
-        float *o = c->out + t * H;
+        void *o = (void *)wat(c->out, t * H, dt);
         for (int64_t h = 0; h < H; h += 8)
-            _mm256_storeu_ps(o + h,
-                             _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + h), scale), _mm256_loadu_ps(c->w + h)));
+            store8w(o, h, _mm256_mul_ps(_mm256_mul_ps(load8w(src, h, dt), scale), load8w(c->w, h, dt)), dt);
     }
 }
 
+/* items are rows: row t is head t % heads of token t / heads */
+static void rms_norm_range(void *p, int64_t begin, int64_t end) {
+    norm_ctx *c = (norm_ctx *)p;
+    if (c->dt == W_BF16)
+        rms_norm_rows(c, begin, end, W_BF16);
+    else if (c->dt == W_F16)
+        rms_norm_rows(c, begin, end, W_F16);
+    else
+        rms_norm_rows(c, begin, end, W_F32);
+}
+
 /* out = x * rsqrt(mean(x^2) + eps) * w (H a multiple of 8); with residual: residual += x first and
- * the sum is normed. */
-void plinth_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H, float eps) {
-    norm_ctx c = {x, residual, w, out, H, eps, 1, H};
+ * the sum is normed. Every tensor holds elements of kind dt. */
+void plinth_rms_norm(int dt, const void *x, void *residual, const void *w, void *out, int64_t T, int64_t H,
+                     float eps) {
+    norm_ctx c = {x, residual, w, out, H, eps, 1, H, dt};
     parallel_for(rms_norm_range, &c, T, grain_for(T, 16));
 }
 
 /* out[T, Hh, D] (contiguous) = RMSNorm of each head of x [T, Hh, D] over its D values times w [D]:
- * heads dense, tokens sx floats apart (a view of a fused QKV projection); D a multiple of 8. */
-void plinth_rms_norm_heads(const float *x, int64_t sx, const float *w, float *out, int64_t T, int64_t Hh, int64_t D,
-                           float eps) {
-    norm_ctx c = {x, NULL, w, out, D, eps, Hh, sx};
+ * heads dense, tokens sx elements apart (a view of a fused QKV projection); D a multiple of 8; every
+ * tensor of kind dt. */
+void plinth_rms_norm_heads(int dt, const void *x, int64_t sx, const void *w, void *out, int64_t T, int64_t Hh,
+                           int64_t D, float eps) {
+    norm_ctx c = {x, NULL, w, out, D, eps, Hh, sx, dt};
     parallel_for(rms_norm_range, &c, T * Hh, grain_for(T * Hh, 16));
 }
 
 typedef struct {
-    const float *x;
-    float *out;
+    const void *x;
+    void *out;
     int64_t I;
     int gelu; /* 0: silu(g) = g sigmoid(g); 1: GELU's tanh form, g sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) */
+    int dt;   /* the element kind of x and out */
 } silu_ctx;
 
 /* 2 sqrt(2 / pi): 0.5 (1 + tanh(u)) = sigmoid(2u), so GELU-tanh is g / (1 + e^(-2u)) */
 #define GELU_2C 1.5957691216057308f
 
-static void silu_range(void *p, int64_t begin, int64_t end) {
-    silu_ctx *c = (silu_ctx *)p;
+static inline __attribute__((always_inline)) void silu_rows(const silu_ctx *c, int64_t begin, int64_t end, int dt) {
     const __m256 one = _mm256_set1_ps(1.0f), k3 = _mm256_set1_ps(0.044715f), c2 = _mm256_set1_ps(-GELU_2C);
     for (int64_t t = begin; t < end; t++) {
-        const float *g = c->x + t * 2 * c->I, *u = g + c->I;
-        float *o = c->out + t * c->I;
+        const void *g = wat(c->x, t * 2 * c->I, dt), *u = wat(c->x, t * 2 * c->I + c->I, dt);
+        void *o = (void *)wat(c->out, t * c->I, dt);
         int64_t i = 0;
         for (; i + 8 <= c->I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 gv = load8w(g, i, dt);
             __m256 arg = c->gelu ? _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k3, gv), _mm256_mul_ps(gv, gv), gv))
                                  : _mm256_sub_ps(_mm256_setzero_ps(), gv);
             __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(arg)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+            store8w(o, i, _mm256_mul_ps(sv, load8w(u, i, dt)), dt);
         }
         for (; i < c->I; i++) {
-            float arg = c->gelu ? -GELU_2C * (g[i] + 0.044715f * g[i] * g[i] * g[i]) : -g[i];
-            o[i] = g[i] / (1.0f + expf(arg)) * u[i];
+            float gi = load1w(g, i, dt);
+            float arg = c->gelu ? -GELU_2C * (gi + 0.044715f * gi * gi * gi) : -gi;
+            store1w(o, i, gi / (1.0f + expf(arg)) * load1w(u, i, dt), dt);
         }
     }
 }
 
-/* out[T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I]. */
-void plinth_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
-    silu_ctx c = {x, out, I, 0};
+static void silu_range(void *p, int64_t begin, int64_t end) {
+    silu_ctx *c = (silu_ctx *)p;
+    if (c->dt == W_BF16)
+        silu_rows(c, begin, end, W_BF16);
+    else if (c->dt == W_F16)
+        silu_rows(c, begin, end, W_F16);
+    else
+        silu_rows(c, begin, end, W_F32);
+}
+
+/* out[T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I], elements of kind dt (rounded once). */
+void plinth_silu_and_mul(int dt, const void *x, void *out, int64_t T, int64_t I) {
+    silu_ctx c = {x, out, I, 0, dt};
     parallel_for(silu_range, &c, T, grain_for(T, 8));
 }
 
-/* out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:] for x [T, 2I] (Gemma 3's gated MLP). */
-void plinth_gelu_tanh_and_mul(const float *x, float *out, int64_t T, int64_t I) {
-    silu_ctx c = {x, out, I, 1};
+/* out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:] for x [T, 2I] (Gemma 3's gated MLP), elements of kind dt. */
+void plinth_gelu_tanh_and_mul(int dt, const void *x, void *out, int64_t T, int64_t I) {
+    silu_ctx c = {x, out, I, 1, dt};
     parallel_for(silu_range, &c, T, grain_for(T, 8));
 }
 
@@ -1935,40 +1960,52 @@ void plinth_apply_token_bitmask(float *logits, int64_t stride, const int32_t *bi
 }
 
 typedef struct {
-    const float *x;
+    const void *x;
     int64_t sx;
-    float *out;
+    void *out;
     const int64_t *positions;
     const float *cos_sin;
     int64_t H, D, rotary_dim;
+    int dt; /* the element kind of x and out (cos_sin is fp32) */
 } rotary_ctx;
 
-static void rotary_range(void *p, int64_t begin, int64_t end) {
-    rotary_ctx *c = (rotary_ctx *)p;
+static inline __attribute__((always_inline)) void rotary_rows(const rotary_ctx *c, int64_t begin, int64_t end,
+                                                              int dt) {
     int64_t H = c->H, D = c->D, rd = c->rotary_dim, half = rd / 2;
     for (int64_t t = begin; t < end; t++) {
         const float *cs = c->cos_sin + c->positions[t] * rd;
         for (int64_t h = 0; h < H; h++) {
-            const float *r = c->x + t * c->sx + h * D;
-            float *o = c->out + (t * H + h) * D;
+            const void *r = wat(c->x, t * c->sx + h * D, dt);
+            void *o = (void *)wat(c->out, (t * H + h) * D, dt);
             for (int64_t i = 0; i < half; i++) {
-                float x1 = r[i], x2 = r[i + half], cv = cs[i], sv = cs[half + i];
-                o[i] = x1 * cv - x2 * sv;
-                o[i + half] = x2 * cv + x1 * sv;
+                float x1 = load1w(r, i, dt), x2 = load1w(r, i + half, dt), cv = cs[i], sv = cs[half + i];
+                store1w(o, i, x1 * cv - x2 * sv, dt);
+                store1w(o, i + half, x2 * cv + x1 * sv, dt);
             }
-            for (int64_t i = rd; i < D; i++) o[i] = r[i];
+            for (int64_t i = rd; i < D; i++) store1w(o, i, load1w(r, i, dt), dt);
         }
     }
 }
 
+static void rotary_range(void *p, int64_t begin, int64_t end) {
+    rotary_ctx *c = (rotary_ctx *)p;
+    if (c->dt == W_BF16)
+        rotary_rows(c, begin, end, W_BF16);
+    else if (c->dt == W_F16)
+        rotary_rows(c, begin, end, W_F16);
+    else
+        rotary_rows(c, begin, end, W_F32);
+}
+
 /*
- * Rotary (NeoX rotate-half) of x [T, H, D] (row stride sx floats between tokens, heads dense) into
- * out [T, H, D] contiguous: the first rotary_dim features of every head are rotated, the rest copied.
- * cos_sin is [P, rotary_dim]: cos in the first half, sin in the second.
+ * Rotary (NeoX rotate-half) of x [T, H, D] (row stride sx elements between tokens, heads dense) into
+ * out [T, H, D] contiguous, both of kind dt: the first rotary_dim features of every head are rotated
+ * (in fp32, rounded once), the rest copied. cos_sin is fp32 [P, rotary_dim]: cos in the first half,
+ * sin in the second.
  */
-void plinth_rotary(const float *x, int64_t sx, float *out, const int64_t *positions, const float *cos_sin, int64_t T,
-                   int64_t H, int64_t D, int64_t rotary_dim) {
-    rotary_ctx c = {x, sx, out, positions, cos_sin, H, D, rotary_dim};
+void plinth_rotary(int dt, const void *x, int64_t sx, void *out, const int64_t *positions, const float *cos_sin,
+                   int64_t T, int64_t H, int64_t D, int64_t rotary_dim) {
+    rotary_ctx c = {x, sx, out, positions, cos_sin, H, D, rotary_dim, dt};
     parallel_for(rotary_range, &c, T, grain_for(T, 32));
 }
 
