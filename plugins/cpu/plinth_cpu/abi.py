@@ -85,6 +85,12 @@ FUNCTIONS: dict[str, CFunction] = {
         15,
         "M",
     ),  # wt: 1 bf16, 2 fp16 panels
+    "plinth_gemm_rows16": CFunction(
+        "int",
+        "int wt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K",
+        17,
+        "M",
+    ),
     "plinth_gemm_quant": CFunction(
         "int",
         "int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K",

@@ -58,6 +58,14 @@ ACTIVATION_MODES = ("int16", "fp32", "int8")
 GROUPS_ENV = "PLINTH_CPU_Q4_1_GROUPS"
 GROUPS_MODES = ("auto", "1", "0")
 
+#: A bf16/fp16 model's dense products up to this many rows run the native row tiles (x widened, the
+#: fp32 product rounded once: recorded in step graphs); above, torch's ``F.linear`` (oneDNN's
+#: AVX512-BF16 / AMX kernels). Measured (Zen 5, AVX-512 build, 2 threads, 30 SmolLM2-shaped layers of
+#: bf16 weights from memory, GFLOP/s native / oneDNN): 1 row 33 / 19, 4 rows 126 / 74, 8 rows
+#: 140 / 133, 16 rows 149 / 238, 64 rows - / 494.
+ROWS16_ENV = "PLINTH_CPU_16BIT_NATIVE_ROWS"
+ROWS16_MAX_ROWS = 8
+
 #: Quantized products up to this many rows dequantize 3 weight rows at a time (per 32-row block of
 #: activations); above, the whole weight is dequantized once into scratch.
 DEQUANT_ROWS_MAX_ROWS = 64
@@ -131,6 +139,10 @@ class NativeGemm(CpuGemm):
             raise ValueError(f"{GROUPS_ENV}={groups!r}: expected one of {', '.join(GROUPS_MODES)}")
         wanted = native.variant.name == "avx512" if groups == "auto" else groups == "1"
         self.group_q4_1 = activations == "int16" and wanted
+        rows16 = os.environ.get(ROWS16_ENV, str(ROWS16_MAX_ROWS))
+        if not rows16.isdigit():
+            raise ValueError(f"{ROWS16_ENV}={rows16!r}: expected a row count (0: never the native tiles)")
+        self.rows16_max_rows = int(rows16)
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
         # an fp32 model takes a 16-bit checkpoint's weights as stored and keeps them in 16-bit panels
         keep16 = dtype == torch.float32 and os.environ.get(KEEP16_ENV, "1") != "0"
@@ -140,20 +152,17 @@ class NativeGemm(CpuGemm):
         """As :meth:`CpuGemm.prepare`; weights with K a multiple of 8 are laid out in panels instead.
         In an fp32 model a bf16/fp16 weight (a checkpoint stored in 16 bits) keeps its 16 bits (format
         ``"w16_panels"``: half the bytes to read, the same products as its fp32 values), any other
-        one is cast to fp32 (format ``"f32_panels"``). A bf16 or fp16 model casts every weight to its
-        dtype and keeps it in 16-bit panels (its bias the dtype's values, held in fp32)."""
-        if self.dtype in PANEL16_DTYPES:
-            stored = self.dtype
-        elif weight.dtype in self.stored_dtypes:
-            stored = weight.dtype
-        else:
-            stored = None
-        if stored is not None and weight.shape[1] % 8 == 0:
-            b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).to(torch.float32).contiguous()
-            panels = self.native.pack_16(weight.to(device="cpu", dtype=stored).contiguous())
+        one is cast to fp32 (format ``"f32_panels"``). A bf16 or fp16 model keeps its weights dense
+        ``[N, K]`` in its dtype, for the native row tiles at few rows and oneDNN above (see
+        :meth:`linear`); the bias also as fp32 for the native tiles."""
+        if weight.dtype in self.stored_dtypes and weight.shape[1] % 8 == 0:
+            b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
+            panels = self.native.pack_16(weight.to(device="cpu").contiguous())
             n, k = weight.shape
             return LinearWeight(n, k, weight=None, bias=b, format=PANELS16, data={"panels": panels})
         prepared = super().prepare(weight, bias)
+        if self.dtype in PANEL16_DTYPES and prepared.bias is not None:
+            prepared.data["bias_f32"] = prepared.bias.to(torch.float32)
         w = prepared.weight
         if self.dtype != torch.float32 or w is None or prepared.in_features % 8:
             return prepared
@@ -189,6 +198,18 @@ class NativeGemm(CpuGemm):
             return self._as_dtype(y, x.dtype)
         if weight.format in QUANT_FORMATS or weight.format == Q4_1X4:
             return self._linear_quantized(x, weight)
+        w = weight.weight
+        if (
+            w is not None
+            and w.dtype == x.dtype in PANEL16_DTYPES
+            and x.shape[0] <= self.rows16_max_rows
+            and weight.in_features % 8 == 0
+            and w.is_contiguous()
+        ):  # a 16-bit model's few-row product: the native row tiles, recorded in step graphs
+            bias = weight.data.get("bias_f32")
+            if bias is None and weight.bias is not None:
+                bias = weight.bias.to(torch.float32)
+            return self._as_dtype(self.native.gemm_rows16(self._as_f32(x), w, bias), x.dtype)
         return super().linear(x, weight)
 
     def _linear_quantized(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:

@@ -299,6 +299,19 @@ class NativeKernels:
             panels[full, :, :rest].copy_(w[full * 8 :].t())
         return panels
 
+    def gemm_rows16(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [M, K] (fp32, contiguous) @ ``w``^T (+ ``bias``, fp32) for a bf16/fp16 ``w`` [N, K] as
+        stored (contiguous, K a multiple of 8) -> fp32 [M, N]: the row tiles of :meth:`gemm_f32`, the
+        weights widened exactly as they are read (the sums of ``gemm_f32`` over ``w.float()``)."""
+        if w.dtype not in PANEL16_DTYPES:
+            raise ValueError(f"gemm_rows16 takes bf16 or fp16 weights, not {w.dtype}")
+        M, K = x.shape
+        N = w.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        self.lib.plinth_gemm_rows16(PANEL16_DTYPES[w.dtype], x.data_ptr(), w.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)  # fmt: skip
+        return y
+
     def gemm_panels16(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """``x`` [M, K] (fp32) @ w^T (+ ``bias``) for a weight of ``n`` rows laid out by :meth:`pack_16`:
         the weights widened to fp32 as they are read, the sums those of :meth:`gemm_f32_panels` over the

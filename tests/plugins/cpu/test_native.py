@@ -937,23 +937,50 @@ def test_cpu_ops_take_16bit_activations_natively(nk: NativeKernels, half: torch.
 
 @needs_native
 @HALVES
-@pytest.mark.parametrize("m", [1, 5, 33, 130])  # few-row tiles, row groups, the 17-95-row path, prefill tiles
+@pytest.mark.parametrize("m", [1, 4, 5, 8])  # the 4x3 tile, the 1x3 tile after it
 def test_16bit_model_gemm_is_the_fp32_product_rounded_once(nk: NativeKernels, half: torch.dtype, m: int) -> None:
-    """A bf16/fp16 model's GEMM keeps its weights in 16-bit panels and rounds the fp32 product once:
-    bit for bit the fp32 model's product over the same 16-bit weights and widened ``x``, cast to
-    the 16-bit dtype; the bias is the model dtype's value. A strided ``x`` is read in place."""
+    """A bf16/fp16 model keeps its weights dense in its dtype; up to ``rows16_max_rows`` rows the
+    native row tiles read them widened and round the fp32 product once: bit for bit
+    ``gemm_f32`` over the widened weights and ``x``, cast to the 16-bit dtype (the bias is the model
+    dtype's value). A strided ``x`` is read in place; N = 74 leaves rows past the 3-row groups."""
     gen = torch.Generator().manual_seed(m)
-    w, b = torch.randn(72, 96, generator=gen), torch.randn(72, generator=gen)
+    w, b = torch.randn(74, 96, generator=gen), torch.randn(74, generator=gen)
     wide = (torch.randn(m, 200, generator=gen) * 2).to(half)
     x = wide[:, 7:103]  # [m, 96], rows 200 apart
     g16 = NativeGemm(half, nk)
     lw = g16.prepare(w, b)
-    assert lw.format == "w16_panels" and lw.data["panels"].dtype == half
+    assert lw.format == "dense" and lw.weight is not None and lw.weight.dtype == half
+    assert m <= g16.rows16_max_rows
     y = g16.linear(x, lw)
-    g32 = NativeGemm(torch.float32, nk)
-    lw32 = g32.prepare(w.to(half), b.to(half).float())  # a 16-bit checkpoint in an fp32 model
-    assert lw32.format == "w16_panels"
-    assert y.dtype == half and torch.equal(y, g32.linear(x.float(), lw32).to(half))
+    w16 = w.to(half)
+    assert y.dtype == half and torch.equal(y, nk.gemm_f32(x.float(), w16.float(), b.to(half).float()).to(half))
+    assert torch.equal(nk.gemm_rows16(x.float(), w16, None), nk.gemm_f32(x.float(), w16.float(), None))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", ["0", "8", "x"])
+def test_16bit_model_gemm_rows_switch(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch, rows: str) -> None:
+    """``PLINTH_CPU_16BIT_NATIVE_ROWS`` sets the most rows the native tiles take (above: torch's
+    oneDNN GEMM, within bf16 rounding of the native result); a bad value is named."""
+    monkeypatch.setenv("PLINTH_CPU_16BIT_NATIVE_ROWS", rows)
+    if rows == "x":
+        with pytest.raises(ValueError, match="PLINTH_CPU_16BIT_NATIVE_ROWS='x'"):
+            NativeGemm(torch.bfloat16, nk)
+        return
+    g = NativeGemm(torch.bfloat16, nk)
+    assert g.rows16_max_rows == int(rows)
+    gen = torch.Generator().manual_seed(2)
+    lw = g.prepare(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))
+    x = torch.randn(4, 64, generator=gen).bfloat16()
+    y, torch_y = g.linear(x, lw), F.linear(x, lw.weight, lw.bias)
+    if rows == "0":
+        assert torch.equal(y, torch_y)  # torch's GEMM itself
+    else:
+        assert lw.weight is not None
+        assert torch.equal(y, nk.gemm_f32(x.float(), lw.weight.float(), lw.bias.float()).to(torch.bfloat16))
+        torch.testing.assert_close(y.float(), torch_y.float(), rtol=1e-2, atol=5e-2)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        nk.gemm_rows16(x.float(), torch.zeros(40, 64), None)
 
 
 @needs_native

@@ -22,6 +22,7 @@ void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y
 void plinth_pack_f32_panels(const float *w, float *P, int64_t N, int64_t K);
 void plinth_gemm_f32_panels(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int plinth_gemm_panels16(int wt, const float *x, const void *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
+int plinth_gemm_rows16(int wt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int64_t plinth_q4_1x4_bytes(int64_t N, int64_t K);
 void plinth_pack_q4_1x4(const void *w, void *out, int64_t N, int64_t K);
@@ -58,6 +59,7 @@ enum {
     OP_GELU_TANH_AND_MUL = 14,
     OP_GEMM_PANELS16 = 15,
     OP_CONVERT = 16,
+    OP_GEMM_ROWS16 = 17,
 };
 
 /* Where an op of `kind` holds its row count in plinth_op.a; -1: the op has none. */
@@ -77,6 +79,7 @@ static int op_rows_arg(int64_t kind) {
     case OP_GELU_TANH_AND_MUL: return 3;
     case OP_GEMM_PANELS16: return 5;
     case OP_CONVERT: return 5;
+    case OP_GEMM_ROWS16: return 5;
     default: return -1;
     }
 }
@@ -127,6 +130,8 @@ static int run_op(const plinth_op *op) {
     case OP_CONVERT:
         plinth_convert((int)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6]);
         return 0;
+    case OP_GEMM_ROWS16:
+        return plinth_gemm_rows16((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7]) != 0;
     default: return -1;
     }
 }

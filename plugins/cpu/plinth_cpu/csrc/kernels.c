@@ -301,115 +301,6 @@ void plinth_read_probe(const float *x, float *out, int64_t n) {
     parallel_for(probe_range, &c, n / 4096, grain_for(n / 4096, 16));
 }
 
-/* ---------------------------------------------------------------------------------------------
- * fp32 GEMM over a row-major weight: y[M, N] = x[M, K] @ w[N, K]^T + b, K a multiple of 8. The
- * backend lays its fp32 weights out in panels at load (below); these row tiles serve a weight as
- * given and the quantized many-row path, which dequantizes 3 rows at a time.
- * Work items are groups of 3 weight rows; a thread's range is walked as
- * three far-apart segments (rows n, n + S, n + 2S together): three sequential streams from memory
- * where adjacent rows would make one (one stream per thread read 7-9 GB/s here, three 13.7-15.4).
- * A 4x3 register tile (12 accumulators along K, 4 activation rows by 3 weight rows) keeps the FMA
- * units busy, 7 loads per 12 FMAs; leftover activation rows take the 1x3 tile, which is load-bound
- * and streams its weights once.
- */
-static inline float dot1(const float *x, const float *w, int64_t K) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
-    return hsum256(a);
-}
-
-/* [sum(a), sum(b), sum(c), 0] */
-static inline __m128 hsum3(__m256 a, __m256 b, __m256 c) {
-    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, _mm256_setzero_ps()));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-/* y[col[j]] = v[j] + bias[col[j]] for the three columns */
-static inline void store3(float *y, __m128 v, const int64_t col[3], const float *bias) {
-    float r[4];
-    _mm_storeu_ps(r, v);
-    for (int j = 0; j < 3; j++) y[col[j]] = r[j] + (bias ? bias[col[j]] : 0.0f);
-}
-
-/* 4 activation rows (K apart) against weight rows w[0..2]; row i's outputs go to y + i * N at col[] */
-static void tile_4x3(const float *x, const float *const w[3], int64_t K, float *y, int64_t N, const int64_t col[3],
-                     const float *bias) {
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *w0 = w[0], *w1 = w[1], *w2 = w[2];
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-    __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-    int64_t k = 0;
-#if PLINTH_AVX512
-    { /* 16 k per register, folded into the 8-wide sums before an odd 8 k (K is a multiple of 8) */
-        __m512 z00 = _mm512_setzero_ps(), z01 = z00, z02 = z00, z10 = z00, z11 = z00, z12 = z00;
-        __m512 z20 = z00, z21 = z00, z22 = z00, z30 = z00, z31 = z00, z32 = z00;
-        for (; k + 16 <= K; k += 16) {
-            __m512 a = _mm512_loadu_ps(w0 + k), b = _mm512_loadu_ps(w1 + k), c = _mm512_loadu_ps(w2 + k);
-            __m512 v = _mm512_loadu_ps(x0 + k);
-            z00 = _mm512_fmadd_ps(v, a, z00), z01 = _mm512_fmadd_ps(v, b, z01), z02 = _mm512_fmadd_ps(v, c, z02);
-            v = _mm512_loadu_ps(x1 + k);
-            z10 = _mm512_fmadd_ps(v, a, z10), z11 = _mm512_fmadd_ps(v, b, z11), z12 = _mm512_fmadd_ps(v, c, z12);
-            v = _mm512_loadu_ps(x2 + k);
-            z20 = _mm512_fmadd_ps(v, a, z20), z21 = _mm512_fmadd_ps(v, b, z21), z22 = _mm512_fmadd_ps(v, c, z22);
-            v = _mm512_loadu_ps(x3 + k);
-            z30 = _mm512_fmadd_ps(v, a, z30), z31 = _mm512_fmadd_ps(v, b, z31), z32 = _mm512_fmadd_ps(v, c, z32);
-        }
-        c00 = fold_halves(z00), c01 = fold_halves(z01), c02 = fold_halves(z02);
-        c10 = fold_halves(z10), c11 = fold_halves(z11), c12 = fold_halves(z12);
-        c20 = fold_halves(z20), c21 = fold_halves(z21), c22 = fold_halves(z22);
-        c30 = fold_halves(z30), c31 = fold_halves(z31), c32 = fold_halves(z32);
-    }
-#endif
-    for (; k < K; k += 8) {
-        __m256 a = _mm256_loadu_ps(w0 + k), b = _mm256_loadu_ps(w1 + k), c = _mm256_loadu_ps(w2 + k);
-        __m256 v = _mm256_loadu_ps(x0 + k);
-        c00 = _mm256_fmadd_ps(v, a, c00), c01 = _mm256_fmadd_ps(v, b, c01), c02 = _mm256_fmadd_ps(v, c, c02);
-        v = _mm256_loadu_ps(x1 + k);
-        c10 = _mm256_fmadd_ps(v, a, c10), c11 = _mm256_fmadd_ps(v, b, c11), c12 = _mm256_fmadd_ps(v, c, c12);
-        v = _mm256_loadu_ps(x2 + k);
-        c20 = _mm256_fmadd_ps(v, a, c20), c21 = _mm256_fmadd_ps(v, b, c21), c22 = _mm256_fmadd_ps(v, c, c22);
-        v = _mm256_loadu_ps(x3 + k);
-        c30 = _mm256_fmadd_ps(v, a, c30), c31 = _mm256_fmadd_ps(v, b, c31), c32 = _mm256_fmadd_ps(v, c, c32);
-    }
-    store3(y, hsum3(c00, c01, c02), col, bias);
-    store3(y + N, hsum3(c10, c11, c12), col, bias);
-    store3(y + 2 * N, hsum3(c20, c21, c22), col, bias);
-    store3(y + 3 * N, hsum3(c30, c31, c32), col, bias);
-}
-
-/* One activation row against weight rows w[0..2]; outputs to y at col[] */
-static void tile_1x3(const float *x, const float *const w[3], int64_t K, float *y, const int64_t col[3],
-                     const float *bias) {
-    const float *w0 = w[0], *w1 = w[1], *w2 = w[2];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
-    int64_t k = 0;
-#if PLINTH_AVX512
-    { /* 32 k a step in two 16-wide chains per row, folded into the 8-wide chains for the tail */
-        __m512 za0 = _mm512_setzero_ps(), za1 = za0, zb0 = za0, zb1 = za0, zc0 = za0, zc1 = za0;
-        for (; k + 32 <= K; k += 32) {
-            __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
-            za0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k), xa, za0), za1 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k + 16), xb, za1);
-            zb0 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k), xa, zb0), zb1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k + 16), xb, zb1);
-            zc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k), xa, zc0), zc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k + 16), xb, zc1);
-        }
-        a0 = fold_halves(za0), a1 = fold_halves(za1), b0 = fold_halves(zb0), b1 = fold_halves(zb1);
-        c0 = fold_halves(zc0), c1 = fold_halves(zc1);
-    }
-#endif
-    for (; k + 16 <= K; k += 16) { /* two chains per row: the loop is bound by FMA latency otherwise */
-        __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0), a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + 8), xb, a1);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, b0), b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k + 8), xb, b1);
-        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, c0), c1 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k + 8), xb, c1);
-    }
-    for (; k < K; k += 8) {
-        __m256 xa = _mm256_loadu_ps(x + k);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, b0);
-        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, c0);
-    }
-    store3(y, hsum3(_mm256_add_ps(a0, a1), _mm256_add_ps(b0, b1), _mm256_add_ps(c0, c1)), col, bias);
-}
-
 /* Panels hold fp32 weights (W_F32), or a checkpoint's 16-bit weights kept as they were stored
  * (W_BF16, W_F16: half the bytes to stream). Those are widened to fp32 as they are loaded (bf16: the
  * bits shifted up; fp16: F16C's vcvtph2ps), exactly, since every bf16 and fp16 value is an fp32
@@ -490,6 +381,130 @@ static inline void store1w(void *P, int64_t i, float v, int wt) {
         ((float *)P)[i] = v;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * fp32 GEMM over a row-major weight: y[M, N] = x[M, K] @ w[N, K]^T + b, K a multiple of 8. The
+ * backend lays its fp32 weights out in panels at load (below); these row tiles serve a weight as
+ * given and the quantized many-row path, which dequantizes 3 rows at a time.
+ * Work items are groups of 3 weight rows; a thread's range is walked as
+ * three far-apart segments (rows n, n + S, n + 2S together): three sequential streams from memory
+ * where adjacent rows would make one (one stream per thread read 7-9 GB/s here, three 13.7-15.4).
+ * A 4x3 register tile (12 accumulators along K, 4 activation rows by 3 weight rows) keeps the FMA
+ * units busy, 7 loads per 12 FMAs; leftover activation rows take the 1x3 tile, which is load-bound
+ * and streams its weights once.
+ */
+static inline __attribute__((always_inline)) float dot1_w(const float *x, const void *w, int64_t K, int wt) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(load8w(w, k, wt), _mm256_loadu_ps(x + k), a);
+    return hsum256(a);
+}
+static inline float dot1(const float *x, const float *w, int64_t K) { return dot1_w(x, w, K, W_F32); }
+
+/* [sum(a), sum(b), sum(c), 0] */
+static inline __m128 hsum3(__m256 a, __m256 b, __m256 c) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, _mm256_setzero_ps()));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* y[col[j]] = v[j] + bias[col[j]] for the three columns */
+static inline void store3(float *y, __m128 v, const int64_t col[3], const float *bias) {
+    float r[4];
+    _mm_storeu_ps(r, v);
+    for (int j = 0; j < 3; j++) y[col[j]] = r[j] + (bias ? bias[col[j]] : 0.0f);
+}
+
+/* 4 activation rows (K apart) against weight rows w[0..2] (elements of kind wt, widened as read); row
+ * i's outputs go to y + i * N at col[] */
+static inline __attribute__((always_inline)) void tile_4x3_w(const float *x, const void *const w[3], int64_t K,
+                                                             float *y, int64_t N, const int64_t col[3],
+                                                             const float *bias, int wt) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    const void *w0 = w[0], *w1 = w[1], *w2 = w[2];
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+    __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+    int64_t k = 0;
+#if PLINTH_AVX512
+    { /* 16 k per register, folded into the 8-wide sums before an odd 8 k (K is a multiple of 8) */
+        __m512 z00 = _mm512_setzero_ps(), z01 = z00, z02 = z00, z10 = z00, z11 = z00, z12 = z00;
+        __m512 z20 = z00, z21 = z00, z22 = z00, z30 = z00, z31 = z00, z32 = z00;
+        for (; k + 16 <= K; k += 16) {
+            __m512 a = load16w(w0, k, wt), b = load16w(w1, k, wt), c = load16w(w2, k, wt);
+            __m512 v = _mm512_loadu_ps(x0 + k);
+            z00 = _mm512_fmadd_ps(v, a, z00), z01 = _mm512_fmadd_ps(v, b, z01), z02 = _mm512_fmadd_ps(v, c, z02);
+            v = _mm512_loadu_ps(x1 + k);
+            z10 = _mm512_fmadd_ps(v, a, z10), z11 = _mm512_fmadd_ps(v, b, z11), z12 = _mm512_fmadd_ps(v, c, z12);
+            v = _mm512_loadu_ps(x2 + k);
+            z20 = _mm512_fmadd_ps(v, a, z20), z21 = _mm512_fmadd_ps(v, b, z21), z22 = _mm512_fmadd_ps(v, c, z22);
+            v = _mm512_loadu_ps(x3 + k);
+            z30 = _mm512_fmadd_ps(v, a, z30), z31 = _mm512_fmadd_ps(v, b, z31), z32 = _mm512_fmadd_ps(v, c, z32);
+        }
+        c00 = fold_halves(z00), c01 = fold_halves(z01), c02 = fold_halves(z02);
+        c10 = fold_halves(z10), c11 = fold_halves(z11), c12 = fold_halves(z12);
+        c20 = fold_halves(z20), c21 = fold_halves(z21), c22 = fold_halves(z22);
+        c30 = fold_halves(z30), c31 = fold_halves(z31), c32 = fold_halves(z32);
+    }
+#endif
+    for (; k < K; k += 8) {
+        __m256 a = load8w(w0, k, wt), b = load8w(w1, k, wt), c = load8w(w2, k, wt);
+        __m256 v = _mm256_loadu_ps(x0 + k);
+        c00 = _mm256_fmadd_ps(v, a, c00), c01 = _mm256_fmadd_ps(v, b, c01), c02 = _mm256_fmadd_ps(v, c, c02);
+        v = _mm256_loadu_ps(x1 + k);
+        c10 = _mm256_fmadd_ps(v, a, c10), c11 = _mm256_fmadd_ps(v, b, c11), c12 = _mm256_fmadd_ps(v, c, c12);
+        v = _mm256_loadu_ps(x2 + k);
+        c20 = _mm256_fmadd_ps(v, a, c20), c21 = _mm256_fmadd_ps(v, b, c21), c22 = _mm256_fmadd_ps(v, c, c22);
+        v = _mm256_loadu_ps(x3 + k);
+        c30 = _mm256_fmadd_ps(v, a, c30), c31 = _mm256_fmadd_ps(v, b, c31), c32 = _mm256_fmadd_ps(v, c, c32);
+    }
+    store3(y, hsum3(c00, c01, c02), col, bias);
+    store3(y + N, hsum3(c10, c11, c12), col, bias);
+    store3(y + 2 * N, hsum3(c20, c21, c22), col, bias);
+    store3(y + 3 * N, hsum3(c30, c31, c32), col, bias);
+}
+
+/* One activation row against weight rows w[0..2] (kind wt); outputs to y at col[] */
+static inline __attribute__((always_inline)) void tile_1x3_w(const float *x, const void *const w[3], int64_t K,
+                                                             float *y, const int64_t col[3], const float *bias,
+                                                             int wt) {
+    const void *w0 = w[0], *w1 = w[1], *w2 = w[2];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
+    int64_t k = 0;
+#if PLINTH_AVX512
+    { /* 32 k a step in two 16-wide chains per row, folded into the 8-wide chains for the tail */
+        __m512 za0 = _mm512_setzero_ps(), za1 = za0, zb0 = za0, zb1 = za0, zc0 = za0, zc1 = za0;
+        for (; k + 32 <= K; k += 32) {
+            __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
+            za0 = _mm512_fmadd_ps(load16w(w0, k, wt), xa, za0), za1 = _mm512_fmadd_ps(load16w(w0, k + 16, wt), xb, za1);
+            zb0 = _mm512_fmadd_ps(load16w(w1, k, wt), xa, zb0), zb1 = _mm512_fmadd_ps(load16w(w1, k + 16, wt), xb, zb1);
+            zc0 = _mm512_fmadd_ps(load16w(w2, k, wt), xa, zc0), zc1 = _mm512_fmadd_ps(load16w(w2, k + 16, wt), xb, zc1);
+        }
+        a0 = fold_halves(za0), a1 = fold_halves(za1), b0 = fold_halves(zb0), b1 = fold_halves(zb1);
+        c0 = fold_halves(zc0), c1 = fold_halves(zc1);
+    }
+#endif
+    for (; k + 16 <= K; k += 16) { /* two chains per row: the loop is bound by FMA latency otherwise */
+        __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
+        a0 = _mm256_fmadd_ps(load8w(w0, k, wt), xa, a0), a1 = _mm256_fmadd_ps(load8w(w0, k + 8, wt), xb, a1);
+        b0 = _mm256_fmadd_ps(load8w(w1, k, wt), xa, b0), b1 = _mm256_fmadd_ps(load8w(w1, k + 8, wt), xb, b1);
+        c0 = _mm256_fmadd_ps(load8w(w2, k, wt), xa, c0), c1 = _mm256_fmadd_ps(load8w(w2, k + 8, wt), xb, c1);
+    }
+    for (; k < K; k += 8) {
+        __m256 xa = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(load8w(w0, k, wt), xa, a0);
+        b0 = _mm256_fmadd_ps(load8w(w1, k, wt), xa, b0);
+        c0 = _mm256_fmadd_ps(load8w(w2, k, wt), xa, c0);
+    }
+    store3(y, hsum3(_mm256_add_ps(a0, a1), _mm256_add_ps(b0, b1), _mm256_add_ps(c0, c1)), col, bias);
+}
+
+static void tile_4x3(const float *x, const float *const w[3], int64_t K, float *y, int64_t N, const int64_t col[3],
+                     const float *bias) {
+    tile_4x3_w(x, (const void *const *)w, K, y, N, col, bias, W_F32);
+}
+
+static void tile_1x3(const float *x, const float *const w[3], int64_t K, float *y, const int64_t col[3],
+                     const float *bias) {
+    tile_1x3_w(x, (const void *const *)w, K, y, col, bias, W_F32);
+}
+
 /* n (a multiple of 8) weights of kind wt from src as fp32 into dst */
 static inline __attribute__((always_inline)) void widen_w(const void *src, float *dst, int64_t n, int wt, int pf) {
     int64_t i = 0;
@@ -528,29 +543,53 @@ typedef struct {
 /* items are groups of 3 weight rows; measured against adjacent rows with a prefetch of the next
  * item (2 threads, SmolLM2's four shapes, weights not in cache): 24.5-25 to 30-35 GFLOP/s at 4
  * rows, 38-39 to 49-52 at 8, 58-61 to 79-80 at 16, 81-83 to 93-97 at 32 */
-static void gemm_f32_range(void *p, int64_t begin, int64_t end) {
-    gemm_ctx *c = (gemm_ctx *)p;
+static inline __attribute__((always_inline)) void gemm_rows_w(const gemm_ctx *c, int64_t begin, int64_t end,
+                                                              int wt) {
     int64_t M = c->M, N = c->N, K = c->K;
     int64_t r0 = begin * 3, r1 = end * 3 < N ? end * 3 : N, S = (r1 - r0) / 3;
+    const void *W = wt == W_F32 ? (const void *)c->w : c->P;
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
         int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M;
         for (int64_t n = r0; n < r0 + S; n++) {
-            const float *w[3] = {c->w + n * K, c->w + (n + S) * K, c->w + (n + 2 * S) * K};
+            const void *w[3] = {wat(W, n * K, wt), wat(W, (n + S) * K, wt), wat(W, (n + 2 * S) * K, wt)};
             const int64_t col[3] = {n, n + S, n + 2 * S};
             int64_t m = m0;
-            for (; m + 4 <= m1; m += 4) tile_4x3(c->x + m * K, w, K, c->y + m * N, N, col, c->bias);
-            for (; m < m1; m++) tile_1x3(c->x + m * K, w, K, c->y + m * N, col, c->bias);
+            for (; m + 4 <= m1; m += 4) tile_4x3_w(c->x + m * K, w, K, c->y + m * N, N, col, c->bias, wt);
+            for (; m < m1; m++) tile_1x3_w(c->x + m * K, w, K, c->y + m * N, col, c->bias, wt);
         }
         for (int64_t n = r0 + 3 * S; n < r1; n++)
             for (int64_t m = m0; m < m1; m++)
-                c->y[m * N + n] = dot1(c->x + m * K, c->w + n * K, K) + (c->bias ? c->bias[n] : 0.0f);
+                c->y[m * N + n] = dot1_w(c->x + m * K, wat(W, n * K, wt), K, wt) + (c->bias ? c->bias[n] : 0.0f);
     }
+}
+
+static void gemm_f32_range(void *p, int64_t begin, int64_t end) { gemm_rows_w((gemm_ctx *)p, begin, end, W_F32); }
+
+static void gemm_rows16_range(void *p, int64_t begin, int64_t end) {
+    gemm_ctx *c = (gemm_ctx *)p;
+    if (c->wt == W_BF16)
+        gemm_rows_w(c, begin, end, W_BF16);
+    else
+        gemm_rows_w(c, begin, end, W_F16);
 }
 
 void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
     gemm_ctx c = {x, w, bias, y, M, N, K, NULL, W_F32};
     int64_t groups = (N + 2) / 3;
     parallel_for(gemm_f32_range, &c, groups, grain_for(groups, 8));
+}
+
+/* The row tiles over a bf16/fp16 weight [N, K] as stored (wt: W_BF16 or W_F16; a 16-bit model's
+ * dense weights, which its batched products hand to oneDNN as they are): the weights widened exactly
+ * as they are read, so the sums are those of plinth_gemm_f32 over the same values, bit for bit.
+ * Returns -1 for another wt. */
+int plinth_gemm_rows16(int wt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K) {
+    if (wt != W_BF16 && wt != W_F16) return -1;
+    gemm_ctx c = {x, NULL, bias, y, M, N, K, w, wt};
+    int64_t groups = (N + 2) / 3;
+    parallel_for(gemm_rows16_range, &c, groups, grain_for(groups, 8));
+    return 0;
 }
 
 /* a thread's scratch for the rows of one panel, grown on demand */
