@@ -426,10 +426,12 @@ def test_apply_token_bitmask_matches_torch(nk: NativeKernels, vocab: int) -> Non
     assert not ours[2, 2 : 2 + vocab].isfinite().any() and torch.equal(ours[1], base[1])
 
 
-def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen: torch.Generator):  # noqa: ANN202
-    """A decode batch over a NaN-poisoned head-major cache with shuffled, padded block tables."""
+def _decode_batch(  # noqa: ANN202
+    seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+):
+    """A decode batch over a NaN-poisoned head-major ``dtype`` cache with shuffled, padded block tables."""
     bs, hk, d = spec.block_size, spec.num_kv_heads, spec.head_size
-    cache = torch.full(CPU_KV_LAYOUT.shape(num_blocks, bs, hk, d), float("nan"))
+    cache = torch.full(CPU_KV_LAYOUT.shape(num_blocks, bs, hk, d), float("nan"), dtype=dtype)
     free = torch.randperm(num_blocks - 1, generator=gen) + 1
     tables, used = [], 0
     for n in seq_lens:
@@ -451,7 +453,23 @@ def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen
     return cache, meta
 
 
+#: KV cache dtypes the native attention reads: fp32, and 16-bit caches widened as they are loaded.
+CACHE_DTYPES = pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32-cache", "bf16-cache", "fp16-cache"]
+)
+
+
+def _same_as_fp32_cache(nk: NativeKernels, spec: AttentionSpec, q: torch.Tensor, cache: torch.Tensor,
+                        meta: AttentionMetadata, got: torch.Tensor) -> None:  # fmt: skip
+    """A 16-bit cache's values are fp32 values, widened exactly on load into the fp32 cache's FMA
+    chains: the native kernels give the fp32 copy's result bit for bit."""
+    if cache.dtype != torch.float32:
+        fp32 = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache.float(), meta, 0.17)
+        assert torch.equal(got, fp32)
+
+
 @needs_native
+@CACHE_DTYPES
 @pytest.mark.parametrize(
     "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
 )
@@ -459,8 +477,10 @@ def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen
 @pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])  # many: whole sequences as items
 def test_decode_attention_matches_torch_path(
     nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int,
-    many: bool,
+    many: bool, cache_dtype: torch.dtype,
 ) -> None:  # fmt: skip
+    """The native decode kernel against the torch path (which upcasts a 16-bit cache), over pages
+    shuffled and NaN-poisoned where no sequence wrote."""
     gen = torch.Generator().manual_seed(11)
     spec = AttentionSpec(
         num_heads=2 * group,
@@ -473,21 +493,23 @@ def test_decode_attention_matches_torch_path(
     seq_lens = [1, 6, 13, 4] if block_size == 4 else [1, 9, 37, 16, 70]
     if many:  # at least 4 per thread: each item is a sequence with both kv heads
         seq_lens = seq_lens * 2 + [3, 21]
-    cache, meta = _decode_batch(seq_lens, spec, 48, gen)
+    cache, meta = _decode_batch(seq_lens, spec, 48, gen, cache_dtype)
     q = torch.randn(len(seq_lens), spec.num_heads, 32, generator=gen)
     got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
     expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _same_as_fp32_cache(nk, spec, q, cache, meta, got)
 
 
 @needs_native
+@CACHE_DTYPES
 @pytest.mark.parametrize(
     "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
 )
 @pytest.mark.parametrize("block_size,head_size", [(4, 32), (16, 32), (16, 80)])  # 80: a 64-wide and an 8-wide slice
 def test_prefill_attention_matches_torch_path(
     nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int,
-    head_size: int,
+    head_size: int, cache_dtype: torch.dtype,
 ) -> None:  # fmt: skip
     """Prefill chunks (some after earlier context, some shorter than the four-row tile) mixed with
     decodes: the native kernels against the torch path."""
@@ -501,7 +523,7 @@ def test_prefill_attention_matches_torch_path(
         logits_soft_cap=soft_cap,
     )
     seq_lens, q_lens = [9, 5, 40, 16, 70, 2], [1, 5, 13, 1, 37, 2]
-    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen)
+    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen, cache_dtype)
     meta = AttentionMetadata.from_lengths(
         q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
     )
@@ -509,6 +531,7 @@ def test_prefill_attention_matches_torch_path(
     got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
     expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _same_as_fp32_cache(nk, spec, q, cache, meta, got)
 
 
 @needs_native
@@ -522,6 +545,55 @@ def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
     NativeAttention(spec, CPU_KV_LAYOUT, nk).write_kv(k, v, a, slots)
     CpuAttention(spec).write_kv(k.contiguous(), v.contiguous(), b, slots)
     assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_size", [16, 12])  # 12: the scalar tail (the native path takes multiples of 8)
+def test_native_write_kv_rounds_as_torch(nk: NativeKernels, dtype: torch.dtype, head_size: int) -> None:
+    """Into a 16-bit cache the kernel stores ``value.to(cache dtype)`` bit for bit: round to nearest
+    even (ties included), overflow to infinity, subnormals kept; a NaN stays a NaN."""
+    gen = torch.Generator().manual_seed(6)
+    T, Hk, D = 7, 2, head_size
+    kv = torch.randn(T, 2 * Hk * D, generator=gen) * torch.logspace(-8, 5, 2 * Hk * D)  # fp16 over/underflows
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 65520.0, 1e-7, 3e38, -3.4e38])
+    kv[0, : len(specials)] = specials
+    below = torch.randn(2, 2 * Hk * D, generator=gen).to(dtype)
+    above = (below.view(torch.int16) + 1).view(dtype)  # the next 16-bit value away from zero
+    kv[1:3] = (below.float() + above.float()) / 2  # exact ties: midpoints of neighbours (exact in fp32)
+    k, v = kv[:, : Hk * D].view(T, Hk, D), kv[:, Hk * D :].view(T, Hk, D)  # strided views, as the model passes
+    slots = torch.tensor([3, 4, -1, 17, 0, 9, 22])
+    got = torch.zeros(CPU_KV_LAYOUT.shape(6, 4, Hk, D), dtype=dtype)
+    want = got.clone()
+    nk.write_kv(k, v, got, slots)
+    CpuAttention(AttentionSpec(4, Hk, D, 4, kv_cache_dtype=str(dtype).removeprefix("torch."))).write_kv(
+        k.contiguous(), v.contiguous(), want, slots
+    )
+    # NaN: torch's vectorised bf16 cast writes 0xFFFF, its scalar one (and the kernel) 0x7FC0; both NaN
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]) and got[~nan].any()
+
+
+@needs_native
+def test_native_kernels_refuse_other_cache_dtypes(nk: NativeKernels) -> None:
+    cache = torch.zeros(CPU_KV_LAYOUT.shape(4, 4, 1, 8), dtype=torch.float64)
+    k = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="KV cache, not torch.float64"):
+        nk.write_kv(k, k, cache, torch.zeros(1, dtype=torch.long))
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="KV cache, not torch.float64"):
+        nk.decode_attention(k, cache, tables, lens, 0.1, None, None)
+
+
+@needs_native
+def test_native_attention_covers_16_bit_caches() -> None:
+    """fp32 compute over an fp32, bf16 or fp16 cache runs natively; other compute dtypes do not."""
+    for cache_dtype in ("float32", "bfloat16", "float16"):
+        assert NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", cache_dtype))
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", "float64"))
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "bfloat16", "bfloat16"))
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 60, 16, "float32", "bfloat16"))
 
 
 @needs_native
