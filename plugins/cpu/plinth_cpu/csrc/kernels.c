@@ -2023,7 +2023,7 @@ void plinth_write_kv(int kt, const float *k, int64_t sk, const float *v, int64_t
 typedef struct {
     const float *q;
     int64_t sq;
-    const void *cache; /* elements of kind kt */
+    const void *cache; /* elements of the kind (kt) the range function was made for */
     const int32_t *block_tables;
     int64_t max_blocks;
     const int32_t *seq_lens;
@@ -2033,7 +2033,6 @@ typedef struct {
     int64_t window;
     float soft_cap;
     int seq_items; /* decode: items are whole sequences (every kv head), not (sequence, kv head) */
-    int kt;        /* the cache's element kind */
     _Atomic int failed;
 } attn_ctx;
 
@@ -2169,7 +2168,8 @@ static inline __attribute__((always_inline)) void pv8(const void *v, int64_t D, 
  * other, so several kv heads together read one longer run of memory per page (measured: random 12 KiB
  * runs read 1.6x faster than 4 KiB ones). `scores` holds R * nkh * group * n floats, n the span from
  * the first row's first position to the last row's last. kt, the cache's element kind, is a constant
- * in each inlined copy (attend_rows), so the fp32 copy is the code it was before 16-bit caches. */
+ * in each inlined copy: each kind has its own decode and prefill range functions, so the fp32 ones
+ * hold the code they held before 16-bit caches (one copy each, laid out as before). */
 static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *c, const int32_t *table, int64_t kh0,
                                                                 int64_t nkh, int64_t R, const float *const *q,
                                                                 float *const *o, const int64_t *last, float *scores,
@@ -2268,17 +2268,10 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
 #undef ROW
 }
 
-/* attend_rows_w for the cache's element kind, a constant in each copy */
-static void attend_rows(const attn_ctx *c, const int32_t *table, int64_t kh0, int64_t nkh, int64_t R,
-                        const float *const *q, float *const *o, const int64_t *last, float *scores) {
-    if (c->kt == W_BF16) attend_rows_w(c, table, kh0, nkh, R, q, o, last, scores, W_BF16);
-    else if (c->kt == W_F16) attend_rows_w(c, table, kh0, nkh, R, q, o, last, scores, W_F16);
-    else attend_rows_w(c, table, kh0, nkh, R, q, o, last, scores, W_F32);
-}
-
 /* One query row per sequence. Items are (sequence, kv head) pairs, kv head outer, or with many
  * sequences (c->seq_items) whole sequences, every kv head at once (longer runs of each page). */
-static void decode_attention_range(void *p, int64_t begin, int64_t end) {
+static inline __attribute__((always_inline)) void decode_attention_range_w(void *p, int64_t begin, int64_t end,
+                                                                           int kt) {
     attn_ctx *c = (attn_ctx *)p;
     int64_t H = c->H, Hk = c->Hk, D = c->D, group = H / Hk, nkh = c->seq_items ? Hk : 1;
     for (int64_t task = begin; task < end; task++) {
@@ -2290,9 +2283,19 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
         }
         const float *q = c->q + b * c->sq + kh * group * D;
         float *o = c->out + (b * H + kh * group) * D; /* the heads are adjacent rows */
-        attend_rows(c, c->block_tables + b * c->max_blocks, kh, nkh, 1, &q, &o, &last, scores);
+        attend_rows_w(c, c->block_tables + b * c->max_blocks, kh, nkh, 1, &q, &o, &last, scores, kt);
         free(scores);
     }
+}
+
+static void decode_attention_range(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_w(p, begin, end, W_F32);
+}
+static void decode_attention_range_bf16(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_w(p, begin, end, W_BF16);
+}
+static void decode_attention_range_f16(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_w(p, begin, end, W_F16);
 }
 
 /* Returns 0, or -1 when out of memory. Every seq_len must be >= 1. */
@@ -2302,13 +2305,16 @@ int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cach
     /* whole sequences as items once there are enough of them to share out (DECODE_SEQ_ITEMS per thread) */
     int seq_items = Hk > 1 && B >= DECODE_SEQ_ITEMS * (int64_t)pool.nthreads;
     attn_ctx c = {q, sq, cache, block_tables, max_blocks, seq_lens, out, B, H, Hk, D, bs, num_blocks, scale, window,
-                  soft_cap, seq_items, kt, 0};
+                  soft_cap, seq_items, 0};
     /* items of at least ~64k multiply-adds: waking a thread costs more than a short sequence's work */
     int64_t total = 0;
     for (int64_t b = 0; b < B; b++) total += seq_lens[b];
     int64_t per_item = (total / B + 1) * (seq_items ? H : H / Hk) * D * 2;
     int64_t grain = 65536 / per_item + 1;
-    parallel_for(decode_attention_range, &c, seq_items ? B : B * Hk, grain);
+    parallel_for(kt == W_BF16  ? decode_attention_range_bf16
+                 : kt == W_F16 ? decode_attention_range_f16
+                               : decode_attention_range,
+                 &c, seq_items ? B : B * Hk, grain);
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
@@ -2326,7 +2332,8 @@ typedef struct {
 } prefill_ctx;
 
 /* items are (row tile, kv head) pairs, kv head outer */
-static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
+static inline __attribute__((always_inline)) void prefill_attention_range_w(void *p, int64_t begin, int64_t end,
+                                                                            int kt) {
     prefill_ctx *c = (prefill_ctx *)p;
     int64_t H = c->a.H, Hk = c->a.Hk, D = c->a.D, group = H / Hk;
     for (int64_t task = begin; task < end; task++) {
@@ -2346,9 +2353,19 @@ static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
             atomic_store(&c->a.failed, 1);
             return;
         }
-        attend_rows(&c->a, c->a.block_tables + g * c->a.max_blocks, kh, 1, R, q, o, last, scores);
+        attend_rows_w(&c->a, c->a.block_tables + g * c->a.max_blocks, kh, 1, R, q, o, last, scores, kt);
         free(scores);
     }
+}
+
+static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
+    prefill_attention_range_w(p, begin, end, W_F32);
+}
+static void prefill_attention_range_bf16(void *p, int64_t begin, int64_t end) {
+    prefill_attention_range_w(p, begin, end, W_BF16);
+}
+static void prefill_attention_range_f16(void *p, int64_t begin, int64_t end) {
+    prefill_attention_range_w(p, begin, end, W_F16);
 }
 
 /* Returns 0, or -1 when out of memory. Every q_len must be >= 1 and <= its chunk's seq_len. kt: the
@@ -2365,11 +2382,14 @@ int plinth_prefill_attention(int kt, const float *q, int64_t sq, const void *cac
     for (int64_t g = 0; g < G; g++)
         for (int64_t j = 0; j < q_lens[g]; j += ATTN_ROWS) tile_chunk[t] = g, tile_row[t] = j, t++;
     prefill_ctx c = {{q, sq, cache, block_tables, max_blocks, NULL, out, 0, H, Hk, D, bs, num_blocks, scale, window,
-                      soft_cap, 0, kt, 0},
+                      soft_cap, 0, 0},
                      q_start, q_lens, seq_lens, tile_chunk, tile_row, tiles};
     /* items of at least ~64k multiply-adds, as for decodes */
     int64_t per_item = (work / (tiles ? tiles : 1) + 1) * (H / Hk) * D * 2;
-    parallel_for(prefill_attention_range, &c, tiles * Hk, 65536 / per_item + 1);
+    parallel_for(kt == W_BF16  ? prefill_attention_range_bf16
+                 : kt == W_F16 ? prefill_attention_range_f16
+                               : prefill_attention_range,
+                 &c, tiles * Hk, 65536 / per_item + 1);
     free(tile_chunk);
     return atomic_load(&c.a.failed) ? -1 : 0;
 }
