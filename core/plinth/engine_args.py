@@ -15,11 +15,17 @@ QUANTIZATION_HELP = (
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model --backend --dtype --threads --quantization --enforce-eager --tensor-parallel-size
-    --distributed-timeout``: what selects the model, its kernels and how many ranks run it."""
+    """``--model --backend --dtype --kv-cache-dtype --threads --quantization --enforce-eager
+    --tensor-parallel-size --distributed-timeout``: what selects the model, its kernels and how many
+    ranks run it."""
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--backend", default=None, help="backend name (default: $PLINTH_BACKEND or the best probe)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="KV cache dtype, e.g. bfloat16 for half the cache memory (default: the compute dtype)",
+    )
     p.add_argument(
         "--threads", type=int, default=None, help="host threads for CPU kernels (default: the backend's choice)"
     )
@@ -133,6 +139,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "backend": args.backend,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_threads": args.threads,
         "quantization": args.quantization,
         "enforce_eager": args.enforce_eager,

@@ -134,14 +134,14 @@ FUNCTIONS: dict[str, CFunction] = {
     ),
     "plinth_write_kv": CFunction(
         "void",
-        "const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping, "
+        "int kt, const float *k, int64_t sk, const float *v, int64_t sv, void *cache, const int64_t *slot_mapping, "
         "int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs",
         9,
         "T",
-    ),
+    ),  # kt: the cache's element kind (0 fp32, 1 bf16, 2 fp16), as in the two attention calls
     "plinth_decode_attention": CFunction(
         "int",
-        "const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, "
+        "int kt, const float *q, int64_t sq, const void *cache, const int32_t *block_tables, int64_t max_blocks, "
         "const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t bs, "
         "int64_t num_blocks, float scale, int64_t window, float soft_cap",
         10,
@@ -149,7 +149,7 @@ FUNCTIONS: dict[str, CFunction] = {
     ),
     "plinth_prefill_attention": CFunction(
         "int",
-        "const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, "
+        "int kt, const float *q, int64_t sq, const void *cache, const int32_t *block_tables, int64_t max_blocks, "
         "const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens, float *out, int64_t G, "
         "int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, "
         "float soft_cap",

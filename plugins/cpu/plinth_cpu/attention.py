@@ -1,10 +1,11 @@
 """Paged attention and KV-cache writes for the CPU backend, vectorised over the whole batch.
 
-One ``forward`` serves any mix of prefill chunks and decodes. With fp32 queries over an fp32 cache
-and the native kernels, a pure decode step is one native call, and otherwise decodes and prefill
-chunks are one native call each: every (query row, KV head) reads its keys and values in place from
-the cache pages, and a prefill chunk's rows go four at a time, sharing each block of keys and page of
-values (csrc/kernels.c, ``attend_rows``). Nothing is gathered, padded or masked.
+One ``forward`` serves any mix of prefill chunks and decodes. With fp32 queries over an fp32, bf16
+or fp16 cache and the native kernels, a pure decode step is one native call, and otherwise decodes
+and prefill chunks are one native call each: every (query row, KV head) reads its keys and values in
+place from the cache pages (a 16-bit cache widened to fp32 exactly as it is loaded), and a prefill
+chunk's rows go four at a time, sharing each block of keys and page of values (csrc/kernels.c,
+``attend_rows``). Nothing is gathered, padded or masked.
 
 Other dtypes take torch. Sequences are split on the host (from ``query_lens_host``, no tensor sync)
 into at most two groups, so a long prefill does not pad every decode up to its query length:
@@ -455,9 +456,19 @@ class CpuAttention(AttentionKernels):
         out.index_copy_(0, dest, o.view(G * max_q, num_heads, head_size).to(out.dtype))
 
 
+#: KV cache dtypes the native kernels read and write (a 16-bit cache: widened exactly as it is read,
+#: rounded as torch rounds as it is written).
+NATIVE_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
 class NativeAttention(CpuAttention):
-    """:class:`CpuAttention` with the native kernels, registered for fp32 specs whose head size is a
-    multiple of 8; operands the kernels do not take (another dtype, a strided cache) go to torch."""
+    """:class:`CpuAttention` with the native kernels, registered for fp32 specs over an fp32, bf16 or
+    fp16 cache whose head size is a multiple of 8; operands the kernels do not take (another dtype,
+    a strided cache) go to torch."""
 
     def __init__(self, spec: AttentionSpec, layout: KVCacheLayout, native: NativeKernels) -> None:
         super().__init__(spec, layout)
@@ -465,20 +476,27 @@ class NativeAttention(CpuAttention):
 
     @staticmethod
     def covers(spec: AttentionSpec) -> bool:
-        """True for the specs the native kernels run: fp32 queries over an fp32 cache, D % 8 == 0."""
-        return spec.dtype == spec.kv_cache_dtype == "float32" and spec.head_size % 8 == 0
+        """True for the specs the native kernels run: fp32 queries over an fp32, bf16 or fp16 cache,
+        D % 8 == 0."""
+        return spec.dtype == "float32" and spec.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES and spec.head_size % 8 == 0
 
     def _native_for(self, query: torch.Tensor, kv_cache: torch.Tensor) -> NativeKernels | None:
-        """The native kernels for fp32 queries over a contiguous fp32 cache; None for the rest."""
-        fits = query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        """The native kernels for fp32 queries over a contiguous fp32, bf16 or fp16 cache; None for the rest."""
+        fits = (
+            query.dtype == torch.float32
+            and kv_cache.dtype in NATIVE_KV_CACHE_DTYPES.values()
+            and kv_cache.is_contiguous()
+        )
         return self._native if fits else None
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """One native call for fp32 K/V with dense heads into a contiguous cache; torch otherwise."""
+        """One native call for fp32 K/V with dense heads into a contiguous fp32, bf16 or fp16 cache
+        (rounded as ``Tensor.to`` rounds); torch otherwise."""
         if (
-            key.dtype == value.dtype == kv_cache.dtype == torch.float32
+            key.dtype == value.dtype == torch.float32
+            and kv_cache.dtype in NATIVE_KV_CACHE_DTYPES.values()
             and key.stride(2) == value.stride(2) == 1
             and key.stride(1) == value.stride(1) == key.shape[2]
             and kv_cache.is_contiguous()

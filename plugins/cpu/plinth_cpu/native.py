@@ -86,6 +86,16 @@ PANEL16_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
 ELEMENT_TYPES: dict[torch.dtype, int] = {torch.float32: 0, **PANEL16_DTYPES}
 
 
+def _cache_kind(cache: torch.Tensor) -> int:
+    """The ``kt`` code of a KV cache's element type; ValueError for a dtype the kernels do not read."""
+    kind = ELEMENT_TYPES.get(cache.dtype)
+    if kind is None:
+        raise ValueError(
+            f"the native attention kernels take a {sorted(map(str, ELEMENT_TYPES))} KV cache, not {cache.dtype}"
+        )
+    return kind
+
+
 class GraphError(RuntimeError):
     """A step graph could not be recorded or a replayed call failed."""
 
@@ -465,10 +475,13 @@ class NativeKernels:
         return out
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store ``key``/``value`` [T, Hk, D] (heads dense) into the head-major fp32 ``cache``."""
+        """Store fp32 ``key``/``value`` [T, Hk, D] (heads dense) into the contiguous head-major ``cache``
+        (fp32, bf16 or fp16: stored as ``key.to(cache.dtype)`` bit for bit) at int64 ``slot_mapping``
+        [T]; slots < 0 are skipped."""
         T, Hk, D = key.shape
-        self.lib.plinth_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), cache.data_ptr(),
-                                 slot_mapping.data_ptr(), T, Hk, D, cache.shape[1], cache.shape[3])  # fmt: skip
+        self.lib.plinth_write_kv(_cache_kind(cache), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                 cache.data_ptr(), slot_mapping.data_ptr(), T, Hk, D, cache.shape[1],
+                                 cache.shape[3])  # fmt: skip
 
     def decode_attention(
         self,
@@ -480,16 +493,18 @@ class NativeKernels:
         window: int | None,
         soft_cap: float | None,
     ) -> torch.Tensor:
-        """One query token per sequence: ``q`` [B, H, D] (heads dense) over the fp32 head-major
-        ``cache`` with int32 ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] -> [B, H, D]."""
+        """One query token per sequence: fp32 ``q`` [B, H, D] (heads dense) over the head-major
+        ``cache`` (fp32, bf16 or fp16, widened exactly as it is read) with int32 ``block_tables``
+        [B, max_blocks] and ``seq_lens`` [B] -> fp32 [B, H, D]."""
         B, H, D = q.shape
         _, num_blocks, Hk, bs, _ = cache.shape
         if q.stride(2) != 1 or q.stride(1) != D:
             q = q.contiguous()
         out = torch.empty(B, H, D, dtype=torch.float32)
         failed = self.lib.plinth_decode_attention(
-            q.data_ptr(), q.stride(0), cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            seq_lens.data_ptr(), out.data_ptr(), B, H, Hk, D, bs, num_blocks, scale, window or 0, soft_cap or 0.0,
+            _cache_kind(cache), q.data_ptr(), q.stride(0), cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), B, H, Hk, D, bs, num_blocks, scale,
+            window or 0, soft_cap or 0.0,
         )  # fmt: skip
         if failed:
             raise MemoryError("no memory for decode attention scores")
@@ -510,17 +525,18 @@ class NativeKernels:
     ) -> None:
         """Causal attention of prefill chunks into ``out``: chunk ``g``'s ``q_lens[g]`` query rows
         start at row ``q_start[g]`` of ``q`` [T, H, D] (heads dense) and are the last of its
-        ``seq_lens[g]`` positions, whose K/V are in the fp32 head-major ``cache``; each row sees
-        the positions up to its own. ``block_tables`` [G, max_blocks] int32, ``q_start`` int64,
-        ``q_lens``/``seq_lens`` int32 [G]; ``out`` [>= T, H, D] contiguous gets the same rows."""
+        ``seq_lens[g]`` positions, whose K/V are in the head-major ``cache`` (fp32, bf16 or fp16);
+        each row sees the positions up to its own. ``block_tables`` [G, max_blocks] int32,
+        ``q_start`` int64, ``q_lens``/``seq_lens`` int32 [G]; ``out`` [>= T, H, D] contiguous gets
+        the same rows."""
         _, H, D = q.shape
         _, num_blocks, Hk, bs, _ = cache.shape
         if q.stride(2) != 1 or q.stride(1) != D:
             q = q.contiguous()
         failed = self.lib.plinth_prefill_attention(
-            q.data_ptr(), q.stride(0), cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            q_start.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), q_lens.numel(), H, Hk, D, bs,
-            num_blocks, scale, window or 0, soft_cap or 0.0,
+            _cache_kind(cache), q.data_ptr(), q.stride(0), cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), q_start.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+            q_lens.numel(), H, Hk, D, bs, num_blocks, scale, window or 0, soft_cap or 0.0,
         )  # fmt: skip
         if failed:
             raise MemoryError("no memory for prefill attention scores")

@@ -43,7 +43,7 @@ def test_ctypes_types_follow_the_c_types() -> None:
     f = abi.FUNCTIONS["plinth_decode_attention"]
     assert f.restype() is c_int
     argtypes = f.argtypes()
-    assert argtypes[:3] == [c_void_p, c_int64, c_void_p]
+    assert argtypes[:4] == [c_int, c_void_p, c_int64, c_void_p]  # kt, q, sq, cache
     assert argtypes[-3:] == [c_float, c_int64, c_float]
     assert abi.FUNCTIONS["plinth_abi_version"].argtypes() == []
     assert abi.FUNCTIONS["plinth_set_num_threads"].restype() is None
@@ -54,9 +54,9 @@ def test_generated_replay_passes_arguments_in_recorded_order() -> None:
     """The replay switch reads integer/pointer arguments from a[] and floats from f[], in order, as
     NativeGraph records them, and shrinks the row argument it names."""
     text = abi.header()
-    assert "case OP_DECODE_ATTENTION: return 7;" in text  # B is the 8th integer/pointer argument
+    assert "case OP_DECODE_ATTENTION: return 8;" in text  # B is the 9th integer/pointer argument
     call = re.search(r"return plinth_decode_attention\((.*)\) != 0;", text)
     assert call is not None
     args = [a.strip() for a in call.group(1).split(",")]
-    assert args[13:] == ["op->f[0]", "(int64_t)op->a[13]", "op->f[1]"]
-    assert args[0] == "(void *)(intptr_t)op->a[0]"
+    assert args[14:] == ["op->f[0]", "(int64_t)op->a[14]", "op->f[1]"]
+    assert args[:2] == ["(int)op->a[0]", "(void *)(intptr_t)op->a[1]"]  # kt, q

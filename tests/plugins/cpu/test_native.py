@@ -426,10 +426,12 @@ def test_apply_token_bitmask_matches_torch(nk: NativeKernels, vocab: int) -> Non
     assert not ours[2, 2 : 2 + vocab].isfinite().any() and torch.equal(ours[1], base[1])
 
 
-def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen: torch.Generator):  # noqa: ANN202
-    """A decode batch over a NaN-poisoned head-major cache with shuffled, padded block tables."""
+def _decode_batch(  # noqa: ANN202
+    seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+):
+    """A decode batch over a NaN-poisoned head-major ``dtype`` cache with shuffled, padded block tables."""
     bs, hk, d = spec.block_size, spec.num_kv_heads, spec.head_size
-    cache = torch.full(CPU_KV_LAYOUT.shape(num_blocks, bs, hk, d), float("nan"))
+    cache = torch.full(CPU_KV_LAYOUT.shape(num_blocks, bs, hk, d), float("nan"), dtype=dtype)
     free = torch.randperm(num_blocks - 1, generator=gen) + 1
     tables, used = [], 0
     for n in seq_lens:
@@ -451,7 +453,23 @@ def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen
     return cache, meta
 
 
+#: KV cache dtypes the native attention reads: fp32, and 16-bit caches widened as they are loaded.
+CACHE_DTYPES = pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32-cache", "bf16-cache", "fp16-cache"]
+)
+
+
+def _same_as_fp32_cache(nk: NativeKernels, spec: AttentionSpec, q: torch.Tensor, cache: torch.Tensor,
+                        meta: AttentionMetadata, got: torch.Tensor) -> None:  # fmt: skip
+    """A 16-bit cache's values are fp32 values, widened exactly on load into the fp32 cache's FMA
+    chains: the native kernels give the fp32 copy's result bit for bit."""
+    if cache.dtype != torch.float32:
+        fp32 = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache.float(), meta, 0.17)
+        assert torch.equal(got, fp32)
+
+
 @needs_native
+@CACHE_DTYPES
 @pytest.mark.parametrize(
     "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
 )
@@ -459,8 +477,10 @@ def _decode_batch(seq_lens: list[int], spec: AttentionSpec, num_blocks: int, gen
 @pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])  # many: whole sequences as items
 def test_decode_attention_matches_torch_path(
     nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int,
-    many: bool,
+    many: bool, cache_dtype: torch.dtype,
 ) -> None:  # fmt: skip
+    """The native decode kernel against the torch path (which upcasts a 16-bit cache), over pages
+    shuffled and NaN-poisoned where no sequence wrote."""
     gen = torch.Generator().manual_seed(11)
     spec = AttentionSpec(
         num_heads=2 * group,
@@ -473,21 +493,23 @@ def test_decode_attention_matches_torch_path(
     seq_lens = [1, 6, 13, 4] if block_size == 4 else [1, 9, 37, 16, 70]
     if many:  # at least 4 per thread: each item is a sequence with both kv heads
         seq_lens = seq_lens * 2 + [3, 21]
-    cache, meta = _decode_batch(seq_lens, spec, 48, gen)
+    cache, meta = _decode_batch(seq_lens, spec, 48, gen, cache_dtype)
     q = torch.randn(len(seq_lens), spec.num_heads, 32, generator=gen)
     got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
     expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _same_as_fp32_cache(nk, spec, q, cache, meta, got)
 
 
 @needs_native
+@CACHE_DTYPES
 @pytest.mark.parametrize(
     "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str
 )
 @pytest.mark.parametrize("block_size,head_size", [(4, 32), (16, 32), (16, 80)])  # 80: a 64-wide and an 8-wide slice
 def test_prefill_attention_matches_torch_path(
     nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, block_size: int,
-    head_size: int,
+    head_size: int, cache_dtype: torch.dtype,
 ) -> None:  # fmt: skip
     """Prefill chunks (some after earlier context, some shorter than the four-row tile) mixed with
     decodes: the native kernels against the torch path."""
@@ -501,7 +523,7 @@ def test_prefill_attention_matches_torch_path(
         logits_soft_cap=soft_cap,
     )
     seq_lens, q_lens = [9, 5, 40, 16, 70, 2], [1, 5, 13, 1, 37, 2]
-    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen)
+    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen, cache_dtype)
     meta = AttentionMetadata.from_lengths(
         q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
     )
@@ -509,6 +531,7 @@ def test_prefill_attention_matches_torch_path(
     got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
     expected = CpuAttention(spec).forward(q, cache, meta, 0.17)  # the torch path, certified by conformance
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _same_as_fp32_cache(nk, spec, q, cache, meta, got)
 
 
 @needs_native
@@ -522,6 +545,88 @@ def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
     NativeAttention(spec, CPU_KV_LAYOUT, nk).write_kv(k, v, a, slots)
     CpuAttention(spec).write_kv(k.contiguous(), v.contiguous(), b, slots)
     assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_size", [16, 12])  # 12: the scalar tail (the native path takes multiples of 8)
+def test_native_write_kv_rounds_as_torch(nk: NativeKernels, dtype: torch.dtype, head_size: int) -> None:
+    """Into a 16-bit cache the kernel stores ``value.to(cache dtype)`` bit for bit: round to nearest
+    even (ties included), overflow to infinity, subnormals kept; a NaN stays a NaN."""
+    gen = torch.Generator().manual_seed(6)
+    T, Hk, D = 7, 2, head_size
+    kv = torch.randn(T, 2 * Hk * D, generator=gen) * torch.logspace(-8, 5, 2 * Hk * D)  # fp16 over/underflows
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 65520.0, 1e-7, 3e38, -3.4e38])
+    kv[0, : len(specials)] = specials
+    below = torch.randn(2, 2 * Hk * D, generator=gen).to(dtype)
+    above = (below.view(torch.int16) + 1).view(dtype)  # the next 16-bit value away from zero
+    kv[1:3] = (below.float() + above.float()) / 2  # exact ties: midpoints of neighbours (exact in fp32)
+    k, v = kv[:, : Hk * D].view(T, Hk, D), kv[:, Hk * D :].view(T, Hk, D)  # strided views, as the model passes
+    slots = torch.tensor([3, 4, -1, 17, 0, 9, 22])
+    got = torch.zeros(CPU_KV_LAYOUT.shape(6, 4, Hk, D), dtype=dtype)
+    want = got.clone()
+    nk.write_kv(k, v, got, slots)
+    CpuAttention(AttentionSpec(4, Hk, D, 4, kv_cache_dtype=str(dtype).removeprefix("torch."))).write_kv(
+        k.contiguous(), v.contiguous(), want, slots
+    )
+    # NaN: torch's vectorised bf16 cast writes 0xFFFF, its scalar one (and the kernel) 0x7FC0; both NaN
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]) and got[~nan].any()
+
+
+@needs_native
+def test_native_kernels_refuse_other_cache_dtypes(nk: NativeKernels) -> None:
+    cache = torch.zeros(CPU_KV_LAYOUT.shape(4, 4, 1, 8), dtype=torch.float64)
+    k = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="KV cache, not torch.float64"):
+        nk.write_kv(k, k, cache, torch.zeros(1, dtype=torch.long))
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="KV cache, not torch.float64"):
+        nk.decode_attention(k, cache, tables, lens, 0.1, None, None)
+
+
+@needs_native
+def test_native_attention_covers_16_bit_caches() -> None:
+    """fp32 compute over an fp32, bf16 or fp16 cache runs natively; other compute dtypes do not."""
+    for cache_dtype in ("float32", "bfloat16", "float16"):
+        assert NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", cache_dtype))
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", "float64"))
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "bfloat16", "bfloat16"))
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 60, 16, "float32", "bfloat16"))
+
+
+@pytest.mark.slow
+@needs_native
+@pytest.mark.parametrize("kv_cache_dtype,within", [("bfloat16", 0.1), ("float16", 0.01)])
+def test_engine_runs_native_attention_over_a_16_bit_cache(
+    kv_cache_dtype: str, within: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2 (fp32 compute, its q4_1 weights) over a 16-bit KV cache: the native kernels write and
+    read it (the torch fallbacks are made to fail), the greedy tokens are the fp32 cache's and the
+    log-probabilities stay close (measured: bf16 0.044 nats at most, fp16 0.004)."""
+    from plinth import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    prompts = ["The three primary colors are", "Write a haiku about the sea. " * 6]  # 43 tokens: 3 pages
+    ref = LLM(backend="cpu", max_model_len=256, num_kv_blocks=64).generate(prompts, params)
+
+    def torch_path(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the torch attention path ran")
+
+    for name in ("write_kv", "_decode", "_prefill"):
+        monkeypatch.setattr(CpuAttention, name, torch_path)
+    llm = LLM(backend="cpu", max_model_len=256, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    attn = llm.engine.model.layers[0].self_attn.attn_kernels
+    assert isinstance(attn, NativeAttention) and attn.spec.kv_cache_dtype == kv_cache_dtype
+    assert attn.spec.dtype == "float32"
+    for got, want in zip(llm.generate(prompts, params), ref, strict=True):
+        a, b = got.outputs[0], want.outputs[0]
+        assert a.token_ids == b.token_ids and a.logprobs is not None and b.logprobs is not None
+        for top, ref_top in zip(a.logprobs, b.logprobs, strict=True):
+            mine, theirs = dict(top.top), dict(ref_top.top)
+            shared = mine.keys() & theirs.keys()  # near-tied runners-up may swap places, not vanish
+            assert len(shared) >= 2 and max(abs(mine[t] - theirs[t]) for t in shared) < within
 
 
 @needs_native
@@ -569,7 +674,7 @@ def test_pool_works_in_a_forked_child(nk: NativeKernels) -> None:
 class _GraphInputs:
     """Fixed buffers for one call of each recordable op, refillable in place (as a step graph's are)."""
 
-    def __init__(self, gen: torch.Generator) -> None:
+    def __init__(self, gen: torch.Generator, cache_dtype: torch.dtype = torch.float32) -> None:
         self.gen = gen
         self.spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, block_size=4)
         T, H, Hk, D = 3, 4, 2, 32
@@ -581,7 +686,7 @@ class _GraphInputs:
         self.slots = torch.empty(T, dtype=torch.long)
         self.block_tables = torch.empty(T, 4, dtype=torch.int32)
         self.seq_lens = torch.empty(T, dtype=torch.int32)
-        self.cache = torch.zeros(CPU_KV_LAYOUT.shape(16, 4, Hk, D))
+        self.cache = torch.zeros(CPU_KV_LAYOUT.shape(16, 4, Hk, D), dtype=cache_dtype)
         # weights: fixed for the graph's life
         self.w = torch.randn(40, 64, generator=gen)
         self.panels = torch.cat((self.w, torch.zeros(8, 64))).view(6, 8, 64).transpose(1, 2).contiguous()
@@ -635,11 +740,15 @@ class _GraphInputs:
 
 
 @needs_native
-def test_recorded_calls_replay_over_refilled_inputs(threads: int, recording: NativeKernels) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+def test_recorded_calls_replay_over_refilled_inputs(
+    threads: int, recording: NativeKernels, cache_dtype: torch.dtype
+) -> None:
     """A replay computes exactly what fresh calls on the refilled inputs compute, into the recorded
-    outputs, and updates the recorded residual and cache in place (skipping slot -1)."""
+    outputs, and updates the recorded residual and cache in place (skipping slot -1); the KV write
+    and attention record the cache's element kind with their other arguments."""
     nk = recording
-    inputs = _GraphInputs(torch.Generator().manual_seed(21))
+    inputs = _GraphInputs(torch.Generator().manual_seed(21), cache_dtype)
     nk.begin_recording()
     outputs = inputs.run(nk, inputs.cache, inputs.residual)  # the calls run while recording
     graph = nk.end_recording()
@@ -993,3 +1102,24 @@ def test_16bit_model_quantized_gemm_rounds_the_fp32_product(nk: NativeKernels, h
     y = NativeGemm(half, nk).linear(x, NativeGemm(half, nk).prepare_quantized(qw, None))
     g32 = NativeGemm(torch.float32, nk)
     assert y.dtype == half and torch.equal(y, g32.linear(x.float(), g32.prepare_quantized(qw, None)).to(half))
+
+
+@needs_native
+@pytest.mark.skipif(len(RUNNABLE) < 2, reason=f"this CPU runs one build only ({RUNNABLE[0]})")
+@CACHE_DTYPES
+def test_builds_agree_on_attention(cache_dtype: torch.dtype) -> None:
+    """Decodes and prefill chunks in one batch, SmolLM2's head shape, in every build: the AVX-512
+    build sums each key's products 16 at a time (then folds the halves), AVX2 8 at a time, so the
+    scores differ by fp32 rounding; the weighted sums of V are the same FMA chains."""
+    gen = torch.Generator().manual_seed(17)
+    spec = AttentionSpec(num_heads=9, num_kv_heads=3, head_size=64, block_size=16, sliding_window=40)
+    seq_lens, q_lens = [33, 70, 17, 5], [1, 21, 1, 5]
+    cache, decode_meta = _decode_batch(seq_lens, spec, 24, gen, cache_dtype)
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
+    )
+    q = torch.randn(sum(q_lens), spec.num_heads, spec.head_size, generator=gen)
+    outs = [NativeAttention(spec, CPU_KV_LAYOUT, _kernels(name)).forward(q, cache, meta, 0.125) for name in RUNNABLE]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], CpuAttention(spec).forward(q, cache, meta, 0.125), rtol=1e-5, atol=1e-5)

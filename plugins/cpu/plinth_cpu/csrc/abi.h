@@ -8,7 +8,7 @@
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
     int64_t kind;
-    int64_t a[14];
+    int64_t a[15];
     float f[2];
 } plinth_op;
 
@@ -36,9 +36,9 @@ void plinth_silu_and_mul(int dt, const void *x, void *out, int64_t T, int64_t I)
 void plinth_gelu_tanh_and_mul(int dt, const void *x, void *out, int64_t T, int64_t I);
 void plinth_apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, int64_t S, int64_t V, int64_t W);
 void plinth_rotary(int dt, const void *x, int64_t sx, void *out, const int64_t *positions, const float *cos_sin, int64_t T, int64_t H, int64_t D, int64_t rotary_dim);
-void plinth_write_kv(const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs);
-int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
-int plinth_prefill_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables, int64_t max_blocks, const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens, float *out, int64_t G, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
+void plinth_write_kv(int kt, const float *k, int64_t sk, const float *v, int64_t sv, void *cache, const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs);
+int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cache, const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
+int plinth_prefill_attention(int kt, const float *q, int64_t sq, const void *cache, const int32_t *block_tables, int64_t max_blocks, const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens, float *out, int64_t G, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap);
 void plinth_convert(int st, const void *src, int64_t ss, int dt, void *dst, int64_t T, int64_t H);
 int64_t plinth_graph_run(const plinth_op *ops, int64_t n, int64_t captured, int64_t rows);
 
@@ -72,8 +72,8 @@ static int op_rows_arg(int64_t kind) {
     case OP_RMS_NORM: return 5;
     case OP_SILU_AND_MUL: return 3;
     case OP_ROTARY: return 6;
-    case OP_WRITE_KV: return 6;
-    case OP_DECODE_ATTENTION: return 7;
+    case OP_WRITE_KV: return 7;
+    case OP_DECODE_ATTENTION: return 8;
     case OP_GEMM_F32_PANELS: return 4;
     case OP_RMS_NORM_HEADS: return 5;
     case OP_GELU_TANH_AND_MUL: return 3;
@@ -110,10 +110,10 @@ static int run_op(const plinth_op *op) {
         plinth_rotary((int)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (void *)(intptr_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8], (int64_t)op->a[9]);
         return 0;
     case OP_WRITE_KV:
-        plinth_write_kv((void *)(intptr_t)op->a[0], (int64_t)op->a[1], (void *)(intptr_t)op->a[2], (int64_t)op->a[3], (void *)(intptr_t)op->a[4], (void *)(intptr_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8], (int64_t)op->a[9], (int64_t)op->a[10]);
+        plinth_write_kv((int)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (void *)(intptr_t)op->a[3], (int64_t)op->a[4], (void *)(intptr_t)op->a[5], (void *)(intptr_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8], (int64_t)op->a[9], (int64_t)op->a[10], (int64_t)op->a[11]);
         return 0;
     case OP_DECODE_ATTENTION:
-        return plinth_decode_attention((void *)(intptr_t)op->a[0], (int64_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (int64_t)op->a[4], (void *)(intptr_t)op->a[5], (void *)(intptr_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8], (int64_t)op->a[9], (int64_t)op->a[10], (int64_t)op->a[11], (int64_t)op->a[12], op->f[0], (int64_t)op->a[13], op->f[1]) != 0;
+        return plinth_decode_attention((int)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (void *)(intptr_t)op->a[6], (void *)(intptr_t)op->a[7], (int64_t)op->a[8], (int64_t)op->a[9], (int64_t)op->a[10], (int64_t)op->a[11], (int64_t)op->a[12], (int64_t)op->a[13], op->f[0], (int64_t)op->a[14], op->f[1]) != 0;
     case OP_GEMM_F32_PANELS:
         plinth_gemm_f32_panels((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (int64_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6]);
         return 0;

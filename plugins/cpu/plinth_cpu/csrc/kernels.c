@@ -2049,32 +2049,57 @@ void plinth_rotary(int dt, const void *x, int64_t sx, void *out, const int64_t *
 }
 
 /*
- * Store k and v ([T, Hk, D], row strides sk and sv floats between tokens, heads dense) into the
- * head-major fp32 cache [2, num_blocks, Hk, bs, D] at slot_mapping [T]; slots < 0 are skipped.
+ * Store k and v ([T, Hk, D] fp32, row strides sk and sv floats between tokens, heads dense) into the
+ * head-major cache [2, num_blocks, Hk, bs, D] of element kind kt (W_F32, W_BF16 or W_F16: rounded
+ * as torch rounds, so the cache holds k.to(cache dtype) bit for bit) at slot_mapping [T]; slots < 0
+ * are skipped.
  */
-void plinth_write_kv(const float *k, int64_t sk, const float *v, int64_t sv, float *cache, const int64_t *slot_mapping,
-                     int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs) {
+static inline __attribute__((always_inline)) void write_kv_w(const float *k, int64_t sk, const float *v, int64_t sv,
+                                                             void *cache, const int64_t *slot_mapping, int64_t T,
+                                                             int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs,
+                                                             int kt) {
+    int64_t half = num_blocks * Hk * bs * D; /* elements from a K row to its V row */
     for (int64_t t = 0; t < T; t++) {
         if (slot_mapping[t] < 0) continue;
         int64_t blk = slot_mapping[t] / bs, off = slot_mapping[t] % bs;
         for (int64_t h = 0; h < Hk; h++) {
-            float *kd = cache + ((blk * Hk + h) * bs + off) * D;
-            memcpy(kd, k + t * sk + h * D, (size_t)D * sizeof(float));
-            memcpy(kd + num_blocks * Hk * bs * D, v + t * sv + h * D, (size_t)D * sizeof(float));
+            int64_t at = ((blk * Hk + h) * bs + off) * D; /* the element index of this K row */
+            const float *ks = k + t * sk + h * D, *vs = v + t * sv + h * D;
+            if (kt == W_F32) {
+                memcpy((float *)cache + at, ks, (size_t)D * sizeof(float));
+                memcpy((float *)cache + at + half, vs, (size_t)D * sizeof(float));
+                continue;
+            }
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) {
+                store8w(cache, at + d, _mm256_loadu_ps(ks + d), kt);
+                store8w(cache, at + half + d, _mm256_loadu_ps(vs + d), kt);
+            }
+            for (; d < D; d++) store1w(cache, at + d, ks[d], kt), store1w(cache, at + half + d, vs[d], kt);
         }
     }
 }
 
+void plinth_write_kv(int kt, const float *k, int64_t sk, const float *v, int64_t sv, void *cache,
+                     const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs) {
+    if (kt == W_BF16) write_kv_w(k, sk, v, sv, cache, slot_mapping, T, Hk, D, num_blocks, bs, W_BF16);
+    else if (kt == W_F16) write_kv_w(k, sk, v, sv, cache, slot_mapping, T, Hk, D, num_blocks, bs, W_F16);
+    else write_kv_w(k, sk, v, sv, cache, slot_mapping, T, Hk, D, num_blocks, bs, W_F32);
+}
+
 /* ---------------------------------------------------------------------------------------------
- * Decode attention straight over the paged, head-major fp32 cache [2, num_blocks, Hk, bs, D].
- * q [B, H, D] (row stride sq floats between sequences, heads dense), out [B, H, D] contiguous. One
- * item per (sequence, kv head): its group of query heads scores every visible key once, then sums V.
- * window > 0 keeps only the last `window` positions; soft_cap > 0 applies cap * tanh(s / cap).
+ * Decode attention straight over the paged, head-major cache [2, num_blocks, Hk, bs, D] of element
+ * kind kt (W_F32, or W_BF16 / W_F16: half the bytes a step reads, each K and V element widened to
+ * fp32 exactly as it is loaded, so the sums are the fp32 cache's of the same values bit for bit).
+ * q [B, H, D] fp32 (row stride sq floats between sequences, heads dense), out [B, H, D] fp32
+ * contiguous. One item per (sequence, kv head): its group of query heads scores every visible key
+ * once, then sums V. window > 0 keeps only the last `window` positions; soft_cap > 0 applies
+ * cap * tanh(s / cap).
  */
 typedef struct {
     const float *q;
     int64_t sq;
-    const float *cache;
+    const void *cache; /* elements of the kind (kt) the range function was made for */
     const int32_t *block_tables;
     int64_t max_blocks;
     const int32_t *seq_lens;
@@ -2108,9 +2133,9 @@ typedef struct {
     const char *p, *end; /* the next line to prefetch, and the end of the run */
 } page_prefetch;
 
-static inline void prefetch_run(page_prefetch *pf, const float *run, int64_t floats) {
+static inline void prefetch_run(page_prefetch *pf, const void *run, int64_t bytes) {
     pf->p = (const char *)run;
-    pf->end = run ? (const char *)(run + floats) : NULL;
+    pf->end = run ? (const char *)run + bytes : NULL;
 }
 
 static inline void prefetch_step(page_prefetch *pf) {
@@ -2120,24 +2145,33 @@ static inline void prefetch_step(page_prefetch *pf) {
     }
 }
 
-/* Scores of query q against the 8 key rows at k (consecutive positions of one page, D apart). */
-static inline __m256 dot8(const float *q, const float *k, int64_t D, page_prefetch *pf) {
+/* Score of query q against the key row at k (elements of kind kt) */
+static inline __attribute__((always_inline)) float dot1w(const float *q, const void *k, int64_t D, int kt) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(load8w(k, d, kt), _mm256_loadu_ps(q + d), a);
+    return hsum256(a);
+}
+
+/* Scores of query q against the 8 key rows at k (consecutive positions of one page, D elements of
+ * kind kt apart). */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t D, page_prefetch *pf,
+                                                         int kt) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     int64_t d = 0;
 #if PLINTH_AVX512
-    { /* 16 of D a step (one prefetch per 16 floats of each key: the same lines a step as below) */
+    { /* 16 of D a step (one prefetch per 16 elements of each key: the same lines a step as below) */
         __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0, z4 = z0, z5 = z0, z6 = z0, z7 = z0;
         for (; d + 16 <= D; d += 16) {
             prefetch_step(pf);
             __m512 qv = _mm512_loadu_ps(q + d);
-            z0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + d), z0);
-            z1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + D + d), z1);
-            z2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 2 * D + d), z2);
-            z3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 3 * D + d), z3);
-            z4 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 4 * D + d), z4);
-            z5 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 5 * D + d), z5);
-            z6 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 6 * D + d), z6);
-            z7 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 7 * D + d), z7);
+            z0 = _mm512_fmadd_ps(qv, load16w(k, d, kt), z0);
+            z1 = _mm512_fmadd_ps(qv, load16w(k, D + d, kt), z1);
+            z2 = _mm512_fmadd_ps(qv, load16w(k, 2 * D + d, kt), z2);
+            z3 = _mm512_fmadd_ps(qv, load16w(k, 3 * D + d, kt), z3);
+            z4 = _mm512_fmadd_ps(qv, load16w(k, 4 * D + d, kt), z4);
+            z5 = _mm512_fmadd_ps(qv, load16w(k, 5 * D + d, kt), z5);
+            z6 = _mm512_fmadd_ps(qv, load16w(k, 6 * D + d, kt), z6);
+            z7 = _mm512_fmadd_ps(qv, load16w(k, 7 * D + d, kt), z7);
         }
         a0 = fold_halves(z0), a1 = fold_halves(z1), a2 = fold_halves(z2), a3 = fold_halves(z3);
         a4 = fold_halves(z4), a5 = fold_halves(z5), a6 = fold_halves(z6), a7 = fold_halves(z7);
@@ -2146,41 +2180,43 @@ static inline __m256 dot8(const float *q, const float *k, int64_t D, page_prefet
     for (; d < D; d += 8) {
         prefetch_step(pf);
         __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * D + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * D + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * D + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * D + d), a7);
+        a0 = _mm256_fmadd_ps(qv, load8w(k, d, kt), a0);
+        a1 = _mm256_fmadd_ps(qv, load8w(k, D + d, kt), a1);
+        a2 = _mm256_fmadd_ps(qv, load8w(k, 2 * D + d, kt), a2);
+        a3 = _mm256_fmadd_ps(qv, load8w(k, 3 * D + d, kt), a3);
+        a4 = _mm256_fmadd_ps(qv, load8w(k, 4 * D + d, kt), a4);
+        a5 = _mm256_fmadd_ps(qv, load8w(k, 5 * D + d, kt), a5);
+        a6 = _mm256_fmadd_ps(qv, load8w(k, 6 * D + d, kt), a6);
+        a7 = _mm256_fmadd_ps(qv, load8w(k, 7 * D + d, kt), a7);
     }
     return hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
-/* o[0..64) += sum over n positions of p[pos] * v[pos * D + 0..64), in eight registers */
-static inline void pv64(const float *v, int64_t D, const float *p, int64_t n, float *o, page_prefetch *pf) {
+/* o[0..64) += sum over n positions of p[pos] * v[pos * D + 0..64) (elements of kind kt), in eight
+ * registers */
+static inline __attribute__((always_inline)) void pv64(const void *v, int64_t D, const float *p, int64_t n, float *o,
+                                                       page_prefetch *pf, int kt) {
 #if PLINTH_AVX512
     __m512 z0 = _mm512_loadu_ps(o), z1 = _mm512_loadu_ps(o + 16), z2 = _mm512_loadu_ps(o + 32);
     __m512 z3 = _mm512_loadu_ps(o + 48);
-    for (int64_t i = 0; i < n; i++, v += D) {
+    for (int64_t i = 0; i < n; i++, v = wat(v, D, kt)) {
         prefetch_step(pf);
         __m512 w = _mm512_set1_ps(p[i]);
-        z0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), z0), z1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), z1);
-        z2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), z2), z3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), z3);
+        z0 = _mm512_fmadd_ps(w, load16w(v, 0, kt), z0), z1 = _mm512_fmadd_ps(w, load16w(v, 16, kt), z1);
+        z2 = _mm512_fmadd_ps(w, load16w(v, 32, kt), z2), z3 = _mm512_fmadd_ps(w, load16w(v, 48, kt), z3);
     }
     _mm512_storeu_ps(o, z0), _mm512_storeu_ps(o + 16, z1), _mm512_storeu_ps(o + 32, z2), _mm512_storeu_ps(o + 48, z3);
 #else
     __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
     __m256 o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32), o5 = _mm256_loadu_ps(o + 40);
     __m256 o6 = _mm256_loadu_ps(o + 48), o7 = _mm256_loadu_ps(o + 56);
-    for (int64_t i = 0; i < n; i++, v += D) {
+    for (int64_t i = 0; i < n; i++, v = wat(v, D, kt)) {
         prefetch_step(pf);
         __m256 w = _mm256_broadcast_ss(p + i);
-        o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), o0), o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), o1);
-        o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), o2), o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), o3);
-        o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), o4), o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), o5);
-        o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), o6), o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), o7);
+        o0 = _mm256_fmadd_ps(w, load8w(v, 0, kt), o0), o1 = _mm256_fmadd_ps(w, load8w(v, 8, kt), o1);
+        o2 = _mm256_fmadd_ps(w, load8w(v, 16, kt), o2), o3 = _mm256_fmadd_ps(w, load8w(v, 24, kt), o3);
+        o4 = _mm256_fmadd_ps(w, load8w(v, 32, kt), o4), o5 = _mm256_fmadd_ps(w, load8w(v, 40, kt), o5);
+        o6 = _mm256_fmadd_ps(w, load8w(v, 48, kt), o6), o7 = _mm256_fmadd_ps(w, load8w(v, 56, kt), o7);
     }
     _mm256_storeu_ps(o, o0), _mm256_storeu_ps(o + 8, o1), _mm256_storeu_ps(o + 16, o2), _mm256_storeu_ps(o + 24, o3);
     _mm256_storeu_ps(o + 32, o4), _mm256_storeu_ps(o + 40, o5), _mm256_storeu_ps(o + 48, o6), _mm256_storeu_ps(o + 56, o7);
@@ -2188,9 +2224,11 @@ static inline void pv64(const float *v, int64_t D, const float *p, int64_t n, fl
 }
 
 /* the same for one 8-wide slice (head sizes not a multiple of 64) */
-static inline void pv8(const float *v, int64_t D, const float *p, int64_t n, float *o) {
+static inline __attribute__((always_inline)) void pv8(const void *v, int64_t D, const float *p, int64_t n, float *o,
+                                                      int kt) {
     __m256 acc = _mm256_loadu_ps(o);
-    for (int64_t i = 0; i < n; i++, v += D) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), _mm256_loadu_ps(v), acc);
+    for (int64_t i = 0; i < n; i++, v = wat(v, D, kt))
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), load8w(v, 0, kt), acc);
     _mm256_storeu_ps(o, acc);
 }
 
@@ -2205,15 +2243,20 @@ static inline void pv8(const float *v, int64_t D, const float *p, int64_t n, flo
  * then the weighted sum of values page by page. A page holds its kv heads' rows one head after the
  * other, so several kv heads together read one longer run of memory per page (measured: random 12 KiB
  * runs read 1.6x faster than 4 KiB ones). `scores` holds R * nkh * group * n floats, n the span from
- * the first row's first position to the last row's last. */
-static void attend_rows(const attn_ctx *c, const int32_t *table, int64_t kh0, int64_t nkh, int64_t R,
-                        const float *const *q, float *const *o, const int64_t *last, float *scores) {
+ * the first row's first position to the last row's last. kt, the cache's element kind, is a constant
+ * in each inlined copy: each kind has its own decode and prefill range functions, so the fp32 ones
+ * hold the code they held before 16-bit caches (one copy each, laid out as before). */
+static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *c, const int32_t *table, int64_t kh0,
+                                                                int64_t nkh, int64_t R, const float *const *q,
+                                                                float *const *o, const int64_t *last, float *scores,
+                                                                int kt) {
     int64_t Hk = c->Hk, D = c->D, bs = c->bs, group = c->H / Hk, heads = nkh * group;
-    const float *vcache = c->cache + c->num_blocks * Hk * bs * D;
+    int64_t esize = (int64_t)wsize(kt); /* bytes per cache element */
+    const void *kcache = c->cache, *vcache = wat(c->cache, c->num_blocks * Hk * bs * D, kt);
     int64_t first[ATTN_ROWS];
     for (int64_t r = 0; r < R; r++) first[r] = c->window > 0 && last[r] + 1 > c->window ? last[r] + 1 - c->window : 0;
     int64_t lo = first[0], hi = last[R - 1] + 1, n = hi - lo;
-#define ROW(cache, kh, pos) ((cache) + (((int64_t)table[(pos) / bs] * Hk + (kh)) * bs + (pos) % bs) * D)
+#define ROW(cache, kh, pos) wat(cache, (((int64_t)table[(pos) / bs] * Hk + (kh)) * bs + (pos) % bs) * D, kt)
 #define SCORES(r, j) (scores + ((r) * heads + (j)) * n - lo) /* indexed by absolute position */
     /* scores: positions outer, rows and heads inner, so a page's keys are read from memory once and
      * stay in L1 for every row and head */
@@ -2223,18 +2266,18 @@ static void attend_rows(const attn_ctx *c, const int32_t *table, int64_t kh0, in
         for (; pos < hi && pos % 8; pos++)
             for (int64_t r = 0; r < R; r++)
                 for (int64_t j = 0; j < heads; j++)
-                    SCORES(r, j)[pos] = dot1(q[r] + j * D, ROW(c->cache, kh0 + j / group, pos), D);
+                    SCORES(r, j)[pos] = dot1w(q[r] + j * D, ROW(kcache, kh0 + j / group, pos), D, kt);
         for (; pos + 8 <= hi; pos += 8) {
             if (pos % bs == 0) { /* the next page of keys, or at the last the first of values */
-                if (pos + bs < hi) prefetch_run(&pf, ROW(c->cache, kh0, pos + bs), nkh * bs * D);
-                else prefetch_run(&pf, ROW(vcache, kh0, lo), (nkh * bs - lo % bs) * D);
+                if (pos + bs < hi) prefetch_run(&pf, ROW(kcache, kh0, pos + bs), nkh * bs * D * esize);
+                else prefetch_run(&pf, ROW(vcache, kh0, lo), (nkh * bs - lo % bs) * D * esize);
             }
             for (int64_t h = 0; h < nkh; h++) {
-                const float *k8 = ROW(c->cache, kh0 + h, pos);
+                const void *k8 = ROW(kcache, kh0 + h, pos);
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t g = 0; g < group; g++) {
                         int64_t j = h * group + g;
-                        _mm256_storeu_ps(SCORES(r, j) + pos, dot8(q[r] + j * D, k8, D, &pf));
+                        _mm256_storeu_ps(SCORES(r, j) + pos, dot8(q[r] + j * D, k8, D, &pf, kt));
                     }
             }
         }
@@ -2242,7 +2285,7 @@ static void attend_rows(const attn_ctx *c, const int32_t *table, int64_t kh0, in
     for (; pos < hi; pos++)
         for (int64_t r = 0; r < R; r++)
             for (int64_t j = 0; j < heads; j++)
-                SCORES(r, j)[pos] = dot1(q[r] + j * D, ROW(c->cache, kh0 + j / group, pos), D);
+                SCORES(r, j)[pos] = dot1w(q[r] + j * D, ROW(kcache, kh0 + j / group, pos), D, kt);
     /* softmax of each row and head over its own positions */
     for (int64_t r = 0; r < R; r++) {
         int64_t nr = last[r] + 1 - first[r];
@@ -2279,18 +2322,19 @@ static void attend_rows(const attn_ctx *c, const int32_t *table, int64_t kh0, in
      * and head), each 64-wide slice of a head's output accumulated in registers over the run */
     for (int64_t p0 = lo; p0 < hi;) {
         int64_t p1 = (p0 / bs + 1) * bs < hi ? (p0 / bs + 1) * bs : hi;
-        prefetch_run(&pf, p1 < hi ? ROW(vcache, kh0, p1) : NULL, nkh * bs * D);
+        prefetch_run(&pf, p1 < hi ? ROW(vcache, kh0, p1) : NULL, nkh * bs * D * esize);
         for (int64_t h = 0; h < nkh; h++) {
-            const float *v0 = ROW(vcache, kh0 + h, p0); /* positions p0..p1 are consecutive rows of one page */
+            const void *v0 = ROW(vcache, kh0 + h, p0); /* positions p0..p1 are consecutive rows of one page */
             for (int64_t r = 0; r < R; r++) {
                 int64_t a = first[r] > p0 ? first[r] : p0, e = last[r] + 1 < p1 ? last[r] + 1 : p1;
                 for (int64_t g = 0; a < e && g < group; g++) {
                     int64_t j = h * group + g;
-                    const float *sg = SCORES(r, j) + a, *va = v0 + (a - p0) * D;
+                    const float *sg = SCORES(r, j) + a;
+                    const void *va = wat(v0, (a - p0) * D, kt);
                     float *og = o[r] + j * D;
                     int64_t d0 = 0;
-                    for (; d0 + 64 <= D; d0 += 64) pv64(va + d0, D, sg, e - a, og + d0, &pf);
-                    for (; d0 < D; d0 += 8) pv8(va + d0, D, sg, e - a, og + d0);
+                    for (; d0 + 64 <= D; d0 += 64) pv64(wat(va, d0, kt), D, sg, e - a, og + d0, &pf, kt);
+                    for (; d0 < D; d0 += 8) pv8(wat(va, d0, kt), D, sg, e - a, og + d0, kt);
                 }
             }
         }
@@ -2302,7 +2346,8 @@ static void attend_rows(const attn_ctx *c, const int32_t *table, int64_t kh0, in
 
 /* One query row per sequence. Items are (sequence, kv head) pairs, kv head outer, or with many
  * sequences (c->seq_items) whole sequences, every kv head at once (longer runs of each page). */
-static void decode_attention_range(void *p, int64_t begin, int64_t end) {
+static inline __attribute__((always_inline)) void decode_attention_range_w(void *p, int64_t begin, int64_t end,
+                                                                           int kt) {
     attn_ctx *c = (attn_ctx *)p;
     int64_t H = c->H, Hk = c->Hk, D = c->D, group = H / Hk, nkh = c->seq_items ? Hk : 1;
     for (int64_t task = begin; task < end; task++) {
@@ -2314,13 +2359,23 @@ static void decode_attention_range(void *p, int64_t begin, int64_t end) {
         }
         const float *q = c->q + b * c->sq + kh * group * D;
         float *o = c->out + (b * H + kh * group) * D; /* the heads are adjacent rows */
-        attend_rows(c, c->block_tables + b * c->max_blocks, kh, nkh, 1, &q, &o, &last, scores);
+        attend_rows_w(c, c->block_tables + b * c->max_blocks, kh, nkh, 1, &q, &o, &last, scores, kt);
         free(scores);
     }
 }
 
+static void decode_attention_range(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_w(p, begin, end, W_F32);
+}
+static void decode_attention_range_bf16(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_w(p, begin, end, W_BF16);
+}
+static void decode_attention_range_f16(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_w(p, begin, end, W_F16);
+}
+
 /* Returns 0, or -1 when out of memory. Every seq_len must be >= 1. */
-int plinth_decode_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables,
+int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cache, const int32_t *block_tables,
                             int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t B, int64_t H, int64_t Hk,
                             int64_t D, int64_t bs, int64_t num_blocks, float scale, int64_t window, float soft_cap) {
     /* whole sequences as items once there are enough of them to share out (DECODE_SEQ_ITEMS per thread) */
@@ -2332,7 +2387,10 @@ int plinth_decode_attention(const float *q, int64_t sq, const float *cache, cons
     for (int64_t b = 0; b < B; b++) total += seq_lens[b];
     int64_t per_item = (total / B + 1) * (seq_items ? H : H / Hk) * D * 2;
     int64_t grain = 65536 / per_item + 1;
-    parallel_for(decode_attention_range, &c, seq_items ? B : B * Hk, grain);
+    parallel_for(kt == W_BF16  ? decode_attention_range_bf16
+                 : kt == W_F16 ? decode_attention_range_f16
+                               : decode_attention_range,
+                 &c, seq_items ? B : B * Hk, grain);
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
@@ -2350,7 +2408,8 @@ typedef struct {
 } prefill_ctx;
 
 /* items are (row tile, kv head) pairs, kv head outer */
-static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
+static inline __attribute__((always_inline)) void prefill_attention_range_w(void *p, int64_t begin, int64_t end,
+                                                                            int kt) {
     prefill_ctx *c = (prefill_ctx *)p;
     int64_t H = c->a.H, Hk = c->a.Hk, D = c->a.D, group = H / Hk;
     for (int64_t task = begin; task < end; task++) {
@@ -2370,13 +2429,24 @@ static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
             atomic_store(&c->a.failed, 1);
             return;
         }
-        attend_rows(&c->a, c->a.block_tables + g * c->a.max_blocks, kh, 1, R, q, o, last, scores);
+        attend_rows_w(&c->a, c->a.block_tables + g * c->a.max_blocks, kh, 1, R, q, o, last, scores, kt);
         free(scores);
     }
 }
 
-/* Returns 0, or -1 when out of memory. Every q_len must be >= 1 and <= its chunk's seq_len. */
-int plinth_prefill_attention(const float *q, int64_t sq, const float *cache, const int32_t *block_tables,
+static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
+    prefill_attention_range_w(p, begin, end, W_F32);
+}
+static void prefill_attention_range_bf16(void *p, int64_t begin, int64_t end) {
+    prefill_attention_range_w(p, begin, end, W_BF16);
+}
+static void prefill_attention_range_f16(void *p, int64_t begin, int64_t end) {
+    prefill_attention_range_w(p, begin, end, W_F16);
+}
+
+/* Returns 0, or -1 when out of memory. Every q_len must be >= 1 and <= its chunk's seq_len. kt: the
+ * cache's element kind, as for decodes. */
+int plinth_prefill_attention(int kt, const float *q, int64_t sq, const void *cache, const int32_t *block_tables,
                              int64_t max_blocks, const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
                              float *out, int64_t G, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks,
                              float scale, int64_t window, float soft_cap) {
@@ -2392,7 +2462,10 @@ int plinth_prefill_attention(const float *q, int64_t sq, const float *cache, con
                      q_start, q_lens, seq_lens, tile_chunk, tile_row, tiles};
     /* items of at least ~64k multiply-adds, as for decodes */
     int64_t per_item = (work / (tiles ? tiles : 1) + 1) * (H / Hk) * D * 2;
-    parallel_for(prefill_attention_range, &c, tiles * Hk, 65536 / per_item + 1);
+    parallel_for(kt == W_BF16  ? prefill_attention_range_bf16
+                 : kt == W_F16 ? prefill_attention_range_f16
+                               : prefill_attention_range,
+                 &c, tiles * Hk, 65536 / per_item + 1);
     free(tile_chunk);
     return atomic_load(&c.a.failed) ? -1 : 0;
 }

@@ -224,6 +224,25 @@ def test_kv_cache_prefault(folder: Path) -> None:
             assert EngineConfig(**engine_options(off)).kv_cache_prefault is False
 
 
+def test_kv_cache_dtype_option(folder: Path) -> None:
+    """``--kv-cache-dtype`` reaches EngineConfig (absent: the compute dtype) and the caches' dtype."""
+    import argparse
+
+    import torch
+
+    from plinth.config import EngineConfig
+    from plinth.engine_args import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert EngineConfig(**engine_options(parser.parse_args([]))).kv_cache_dtype is None
+    options = engine_options(parser.parse_args(["--kv-cache-dtype", "bfloat16"]))
+    assert EngineConfig(**options).kv_cache_dtype == "bfloat16"
+    llm = LLM(model=str(folder), backend="cpu", num_kv_blocks=32, block_size=16, kv_cache_dtype="bfloat16")
+    assert all(kv.dtype == torch.bfloat16 for kv in llm.engine.runner.kv_caches)
+    assert len(llm.generate(["hello"], _greedy(4))[0].outputs[0].token_ids) == 4
+
+
 def test_a_finished_sequence_leaves_no_generator_behind(llm: LLM) -> None:
     """The scheduler lists finished sequences in the next step's output and the runner drops their
     seeded generators: a request id used again with the same seed draws the same tokens afresh."""
