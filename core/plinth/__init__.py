@@ -12,6 +12,11 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
+# the environment backend plugins ask for, before anything imports torch (plugin API 1.15)
+from plinth import process_env as _process_env  # noqa: E402
+
+_process_env.apply()
+
 
 def __getattr__(name: str) -> Any:
     # lazy, so that `import plinth.sched` stays torch-free

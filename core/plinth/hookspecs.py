@@ -127,6 +127,10 @@ API    adds / changes
 1.14   16-bit checkpoints: ``GemmKernels.stored_dtypes`` (dense linear weights stored in one of these
        dtypes reach ``prepare`` as stored, and the GEMM casts them itself: the cpu backend keeps a
        bf16/fp16 checkpoint's weights in 16 bits in an fp32 model; default: none, cast by the core)
+1.15   process environment: the ``plinth.process_env`` entry-point group (a torch-free callable
+       returning ``{variable: value}``, set at ``import plinth`` where unset, before torch starts:
+       the cpu backend asks for ``OMP_WAIT_POLICY=PASSIVE`` where its native kernels run; see
+       :mod:`plinth.process_env`; default: nothing asked)
 =====  ===========================================================================================
 """
 
@@ -144,7 +148,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 14)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 15)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.
@@ -177,6 +181,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     "Capabilities.device_resource",
     (1, 14): "16-bit checkpoints: GemmKernels.stored_dtypes (dense linear weights in those dtypes reach "
     "prepare as stored)",
+    (1, 15): "process environment: the plinth.process_env entry-point group (torch-free {variable: value} "
+    "set at import plinth where unset, before torch starts)",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

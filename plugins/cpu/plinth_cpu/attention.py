@@ -456,6 +456,11 @@ class CpuAttention(AttentionKernels):
         out.index_copy_(0, dest, o.view(G * max_q, num_heads, head_size).to(out.dtype))
 
 
+def _dense_heads(x: torch.Tensor) -> bool:
+    """``x`` [T, H, D] with its heads dense (any token stride): a view of a fused projection will do."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 #: KV cache dtypes the native kernels read and write (a 16-bit cache: widened exactly as it is read,
 #: rounded as torch rounds as it is written).
 NATIVE_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -466,9 +471,11 @@ NATIVE_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 
 
 class NativeAttention(CpuAttention):
-    """:class:`CpuAttention` with the native kernels, registered for fp32 specs over an fp32, bf16 or
-    fp16 cache whose head size is a multiple of 8; operands the kernels do not take (another dtype,
-    a strided cache) go to torch."""
+    """:class:`CpuAttention` with the native kernels, registered for fp32, bf16 and fp16 specs over an
+    fp32, bf16 or fp16 cache whose head size is a multiple of 8; operands the kernels do not take
+    (another dtype, a strided cache) go to torch. A 16-bit model's queries and keys/values are
+    widened to fp32 by native calls (exactly), and the fp32 output rounded once to the model's dtype:
+    every step of a 16-bit model records in a step graph like an fp32 one."""
 
     def __init__(self, spec: AttentionSpec, layout: KVCacheLayout, native: NativeKernels) -> None:
         super().__init__(spec, layout)
@@ -476,32 +483,52 @@ class NativeAttention(CpuAttention):
 
     @staticmethod
     def covers(spec: AttentionSpec) -> bool:
-        """True for the specs the native kernels run: fp32 queries over an fp32, bf16 or fp16 cache,
-        D % 8 == 0."""
-        return spec.dtype == "float32" and spec.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES and spec.head_size % 8 == 0
+        """True for the specs the native kernels run: fp32, bf16 or fp16 queries over an fp32, bf16
+        or fp16 cache, D % 8 == 0."""
+        return (
+            spec.dtype in NATIVE_KV_CACHE_DTYPES
+            and spec.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
+            and spec.head_size % 8 == 0
+        )
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """As :meth:`CpuAttention.forward`; a bf16/fp16 ``query`` the kernels can take is widened to
+        fp32 by a native call, attended in fp32, and the result rounded to its dtype by another."""
+        if query.dtype in (torch.bfloat16, torch.float16) and _dense_heads(query) and self._fits_cache(kv_cache):
+            T, H, D = query.shape
+            q32 = self._native.convert(query.reshape(T, H * D), torch.float32).view(T, H, D)
+            o32 = super().forward(q32, kv_cache, meta, scale)
+            return self._native.convert(o32.reshape(T, H * D), query.dtype).view(T, H, D)
+        return super().forward(query, kv_cache, meta, scale)
+
+    @staticmethod
+    def _fits_cache(kv_cache: torch.Tensor) -> bool:
+        return kv_cache.dtype in NATIVE_KV_CACHE_DTYPES.values() and kv_cache.is_contiguous()
 
     def _native_for(self, query: torch.Tensor, kv_cache: torch.Tensor) -> NativeKernels | None:
         """The native kernels for fp32 queries over a contiguous fp32, bf16 or fp16 cache; None for the rest."""
-        fits = (
-            query.dtype == torch.float32
-            and kv_cache.dtype in NATIVE_KV_CACHE_DTYPES.values()
-            and kv_cache.is_contiguous()
-        )
-        return self._native if fits else None
+        return self._native if query.dtype == torch.float32 and self._fits_cache(kv_cache) else None
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """One native call for fp32 K/V with dense heads into a contiguous fp32, bf16 or fp16 cache
-        (rounded as ``Tensor.to`` rounds); torch otherwise."""
+        (rounded as ``Tensor.to`` rounds); bf16/fp16 K/V are widened to fp32 by native calls first
+        (exactly: into a cache of their own dtype they are stored as they were); torch otherwise."""
         if (
-            key.dtype == value.dtype == torch.float32
-            and kv_cache.dtype in NATIVE_KV_CACHE_DTYPES.values()
-            and key.stride(2) == value.stride(2) == 1
-            and key.stride(1) == value.stride(1) == key.shape[2]
-            and kv_cache.is_contiguous()
+            key.dtype == value.dtype
+            and key.dtype in NATIVE_KV_CACHE_DTYPES.values()
+            and _dense_heads(key)
+            and _dense_heads(value)
+            and self._fits_cache(kv_cache)
             and slot_mapping.dtype == torch.int64
         ):
+            if key.dtype != torch.float32:
+                T, Hk, D = key.shape
+                key = self._native.convert(key.reshape(T, Hk * D), torch.float32).view(T, Hk, D)
+                value = self._native.convert(value.reshape(T, Hk * D), torch.float32).view(T, Hk, D)
             self._native.write_kv(key, value, kv_cache, slot_mapping.contiguous())
             return
         super().write_kv(key, value, kv_cache, slot_mapping)

@@ -9,6 +9,7 @@ from importlib import metadata
 
 import torch
 
+from plinth import process_env
 from plinth.platform.backend import (
     AttentionKernels,
     AttentionSpec,
@@ -174,8 +175,9 @@ class CpuBackend(Backend):
     version = __version__
     # 1.4: set_num_threads, read_probes, prefault, SmallOps.argmax; 1.8: fused MoE; 1.9: apply_token_bitmask;
     # 1.10: communicator(groups=) (a shared-memory all-reduce on one host); 1.11: batched LoRA;
-    # 1.14: GemmKernels.stored_dtypes (16-bit checkpoint weights kept in 16-bit panels)
-    api_version = (1, 14)
+    # 1.14: GemmKernels.stored_dtypes (16-bit checkpoint weights kept in 16-bit panels);
+    # 1.15: a plinth.process_env entry point (OMP_WAIT_POLICY=PASSIVE where the native kernels run)
+    api_version = (1, 15)
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:
@@ -217,6 +219,7 @@ class CpuBackend(Backend):
             f"ISA features: {', '.join(features) if features else 'none of avx2/avx512f/amx/neon found'}",
             f"torch kernels use {capability}, {torch.get_num_threads()} threads",
             native_status(),
+            f"torch's OpenMP threads: {process_env.report('OMP_WAIT_POLICY')}",
         ]
         if features or capability != "DEFAULT":
             score = SIMD_SCORE

@@ -18,8 +18,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,12 +30,11 @@ import torch
 
 from plinth_cpu.abi import ABI_VERSION, FUNCTIONS, GRAPH_OPS, HEADER, RecordedOp
 from plinth_cpu.host_memory import huge_page_tensor
+from plinth_cpu.preflight import REQUIRED_CPU_FLAGS, _cpu_flags, build_check
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 #: Compiler flags of every build; each :class:`IsaVariant` adds its own ``-m`` flags.
 FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
-#: What every build needs of the CPU (the AVX2 variant's flags).
-REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 #: ``auto`` (default: the best variant the CPU runs) or a variant's name, forced.
 ISA_ENV = "PLINTH_CPU_ISA"
 
@@ -168,25 +165,6 @@ def cache_dir() -> Path:
     if root := os.environ.get("PLINTH_CACHE_DIR"):
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plinth"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
-def _cpu_flags() -> set[str] | None:
-    """The x86 "flags" of /proc/cpuinfo; None where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return set()
 
 
 def library_path(compiler: str, variant: IsaVariant = AVX2) -> Path:
@@ -540,26 +518,6 @@ class NativeKernels:
         )  # fmt: skip
         if failed:
             raise MemoryError("no memory for prefill attention scores")
-
-
-def build_check() -> tuple[str | None, str]:
-    """``(compiler, "")`` where the kernels can be built and run here, else ``(None, why not)``.
-
-    Reads the environment, ``/proc/cpuinfo`` and ``$PATH`` only: nothing is compiled or loaded."""
-    if os.environ.get("PLINTH_CPU_NATIVE", "1") == "0":
-        return None, "native kernels off (PLINTH_CPU_NATIVE=0)"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"native kernels need x86-64, this is {platform.machine()}"
-    flags = _cpu_flags()
-    if flags is None:
-        return None, "native kernels off: /proc/cpuinfo is unreadable, so AVX2/FMA/F16C cannot be confirmed"
-    missing = REQUIRED_CPU_FLAGS - flags
-    if missing:
-        return None, f"native kernels need {', '.join(sorted(missing))}, which this CPU lacks"
-    compiler = _compiler()
-    if compiler is None:
-        return None, "native kernels need a C compiler (cc, gcc or clang; or $CC), none found"
-    return compiler, ""
 
 
 def runnable_variants(flags: set[str] | None = None) -> list[IsaVariant]:

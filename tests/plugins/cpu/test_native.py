@@ -588,11 +588,12 @@ def test_native_kernels_refuse_other_cache_dtypes(nk: NativeKernels) -> None:
 
 @needs_native
 def test_native_attention_covers_16_bit_caches() -> None:
-    """fp32 compute over an fp32, bf16 or fp16 cache runs natively; other compute dtypes do not."""
+    """fp32, bf16 or fp16 compute over an fp32, bf16 or fp16 cache runs natively; fp64 does not."""
     for cache_dtype in ("float32", "bfloat16", "float16"):
         assert NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", cache_dtype))
     assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", "float64"))
-    assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "bfloat16", "bfloat16"))
+    assert NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "bfloat16", "bfloat16"))  # a 16-bit model too
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float64", "float64"))
     assert not NativeAttention.covers(AttentionSpec(9, 3, 60, 16, "float32", "bfloat16"))
 
 
@@ -627,6 +628,45 @@ def test_engine_runs_native_attention_over_a_16_bit_cache(
             mine, theirs = dict(top.top), dict(ref_top.top)
             shared = mine.keys() & theirs.keys()  # near-tied runners-up may swap places, not vanish
             assert len(shared) >= 2 and max(abs(mine[t] - theirs[t]) for t in shared) < within
+
+
+@pytest.mark.slow
+@needs_native
+@pytest.mark.parametrize("dtype,within", [("bfloat16", 0.25), ("float16", 0.05)])
+def test_engine_runs_a_16bit_model_natively_in_step_graphs(
+    dtype: str, within: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2 in bf16/fp16 (``--dtype``): every decode step records into a step graph (nothing ran
+    as torch ops), attention never takes the torch path, and the greedy tokens' log-probabilities
+    stay near the fp32 model's while the tokens agree (the 16-bit model rounds every op's result;
+    measured at most 0.06 nats in bf16, where the first prompt's fourth token flips on a near tie,
+    and 0.015 in fp16, all 8 tokens agreeing); the first two tokens agree."""
+    from plinth import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    prompts = ["The three primary colors are", "Write a haiku about the sea. " * 6]
+    ref = LLM(backend="cpu", max_model_len=256, num_kv_blocks=64, quantization="none").generate(prompts, params)
+
+    def torch_path(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the torch attention path ran")
+
+    for name in ("_decode", "_prefill"):
+        monkeypatch.setattr(CpuAttention, name, torch_path)
+    llm = LLM(backend="cpu", max_model_len=256, num_kv_blocks=64, quantization="none", dtype=dtype)
+    layer = llm.engine.model.layers[0]
+    assert isinstance(layer.self_attn.attn_kernels, NativeAttention)
+    assert layer.mlp.gate_up_proj.weight.weight.dtype == getattr(torch, dtype)  # dense, in the model's dtype
+    outs = llm.generate(prompts, params)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.stats.captures >= 1 and graphs.stats.eager == 0
+    for got, want in zip(outs, ref, strict=True):
+        a, b = got.outputs[0], want.outputs[0]
+        assert a.token_ids[:2] == b.token_ids[:2] and a.logprobs is not None and b.logprobs is not None
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+        for top, ref_top in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
+            tok_a, tok_b = dict(top.top), dict(ref_top.top)
+            shared = tok_a.keys() & tok_b.keys()
+            assert shared and max(abs(tok_a[t] - tok_b[t]) for t in shared) < within
 
 
 @needs_native
@@ -1123,3 +1163,40 @@ def test_builds_agree_on_attention(cache_dtype: torch.dtype) -> None:
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0], CpuAttention(spec).forward(q, cache, meta, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@HALVES
+def test_16bit_model_attention_is_the_fp32_attention_rounded_once(nk: NativeKernels, half: torch.dtype) -> None:
+    """A bf16/fp16 model's attention runs natively: its queries widened exactly, the fp32 kernels over
+    its 16-bit cache, the output rounded once (bit for bit the fp32 query's result cast to the
+    model dtype); 16-bit K/V are written into the cache as they are. A batch of decodes and prefill
+    chunks (both kernels), GQA, a sliding window."""
+    gen = torch.Generator().manual_seed(23)
+    name = str(half).removeprefix("torch.")
+    spec = AttentionSpec(6, 2, 32, 16, dtype=name, kv_cache_dtype=name, sliding_window=40)
+    assert NativeAttention.covers(spec)
+    seq_lens, q_lens = [33, 70, 17, 5], [1, 21, 1, 5]
+    cache, decode_meta = _decode_batch(seq_lens, spec, 24, gen, half)
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
+    )
+    q = torch.randn(sum(q_lens), spec.num_heads, spec.head_size, generator=gen).to(half)
+    attn = NativeAttention(spec, CPU_KV_LAYOUT, nk)
+    got = attn.forward(q, cache, meta, 0.17)
+    assert got.dtype == half
+    assert torch.equal(got, attn.forward(q.float(), cache, meta, 0.17).to(half))
+    torch.testing.assert_close(
+        got.float(), CpuAttention(spec).forward(q, cache, meta, 0.17).float(), rtol=2e-2, atol=2e-2
+    )
+    # K/V of the model's dtype, values a view of a fused projection: stored exactly
+    kv = torch.randn(3, 3 * spec.num_kv_heads * 32, generator=gen).to(half)
+    k, v = kv[:, :64].view(3, 2, 32), kv[:, 64:128].view(3, 2, 32)
+    slots = torch.tensor([5, 40, 77])
+    before = cache.clone()
+    attn.write_kv(k, v, cache, slots)
+    blk, off = slots // 16, slots % 16
+    assert torch.equal(cache[0, blk, :, off], k) and torch.equal(cache[1, blk, :, off], v)
+    untouched = torch.ones_like(cache, dtype=torch.bool)
+    untouched[:, blk, :, off] = False
+    assert torch.equal(cache[untouched].nan_to_num(), before[untouched].nan_to_num())

@@ -83,3 +83,27 @@ def test_first_kernel_request_builds(tmp_path: Path) -> None:
     variant = choose_variant()[0]  # only the build this CPU loads is compiled on the request
     assert [Path(f).name for f in report["files_after"]] == [f"libplinth_cpu_{variant.name}.so"]
     assert report["after_kernels"].startswith(f"native kernels: {variant.label}")
+
+
+def test_process_env_asks_for_passive_openmp_where_the_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``plinth.process_env`` entry point (plugin API 1.15) asks for OMP_WAIT_POLICY=PASSIVE
+    only where the native kernels can run (without them every op is torch's, which spinning helps)."""
+    from importlib.metadata import entry_points
+
+    from plinth_cpu import preflight
+
+    (ep,) = [e for e in entry_points(group="plinth.process_env") if e.name == "cpu"]
+    assert ep.value == "plinth_cpu.preflight:process_env"
+    expected = {"OMP_WAIT_POLICY": "PASSIVE"} if build_check()[0] is not None else {}
+    assert ep.load()() == expected
+    monkeypatch.setenv("PLINTH_CPU_NATIVE", "0")
+    assert preflight.process_env() == {}
+
+
+def test_preflight_imports_no_torch() -> None:
+    """The entry point's module (and the package's ``__init__``) load without torch."""
+    code = "import sys, plinth_cpu.preflight; print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
