@@ -408,7 +408,7 @@ class NativeKernels:
     def convert(self, x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [T, H] (fp32, bf16 or fp16; elements dense, rows any stride) as ``dtype`` [T, H]
         contiguous (into ``out`` when given): widened exactly, or rounded as torch rounds
-        (``x.to(dtype)`` bit for bit). One native call, which a step graph records."""
+        (``x.to(dtype)`` bit for bit, a NaN as some NaN). One native call, which a step graph records."""
         if x.dtype not in ELEMENT_TYPES or dtype not in ELEMENT_TYPES:
             raise ValueError(f"the kernels convert between {sorted(map(str, ELEMENT_TYPES))}, not {x.dtype} -> {dtype}")
         if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):

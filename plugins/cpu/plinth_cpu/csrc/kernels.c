@@ -336,8 +336,9 @@ static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64
 #endif
 
 /* Rounding to 16 bits, as torch rounds (so a native op's bf16/fp16 output equals torch's cast of the
- * same fp32 values): round to nearest, ties to even; a NaN becomes the canonical quiet NaN 0x7FC0
- * (bf16) or stays a NaN (fp16, F16C's vcvtps2ph), and overflow goes to infinity. */
+ * same fp32 values): round to nearest, ties to even, overflow to infinity; a NaN stays a NaN (bf16:
+ * the canonical quiet 0x7FC0, torch's scalar cast's; its vectorised cast may write another NaN
+ * pattern; fp16: F16C's vcvtps2ph). */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
