@@ -9,9 +9,12 @@ here), and batched it runs on the backend's own thread pool, which keeps going w
 descheduled. A bf16/fp16 checkpoint's weights in an fp32 model (``stored_dtypes``, plugin API 1.14)
 keep their 16 bits in the same panels (format ``"w16_panels"``): the kernels widen them exactly as
 they read them, so the products are the fp32 panels' bit for bit and a decode step streams half the
-bytes. Other dtypes, and fp32 without native kernels, stay ``[N, K]`` and use
-``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the
-weight is never pre-transposed.
+bytes. A bf16/fp16 model's weights stay ``[N, K]`` in its dtype: up to
+``PLINTH_CPU_16BIT_NATIVE_ROWS`` rows the native row tiles read them widened (``x`` widened and the fp32
+product rounded once, by native calls a step graph records), above that ``F.linear`` (oneDNN's 16-bit
+GEMM, AMX where the CPU has it). float64, and every dtype without native kernels, use ``F.linear``.
+A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
+pre-transposed.
 
 Quantized weights keep their GGUF blocks' values (never dequantized at load). Few rows (decode): the
 native kernel unpacks each block in registers and multiplies it with the activations rounded to
@@ -149,8 +152,8 @@ class NativeGemm(CpuGemm):
         self.stored_dtypes = frozenset(PANEL16_DTYPES) if keep16 else frozenset()
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
-        """As :meth:`CpuGemm.prepare`; weights with K a multiple of 8 are laid out in panels instead.
-        In an fp32 model a bf16/fp16 weight (a checkpoint stored in 16 bits) keeps its 16 bits (format
+        """As :meth:`CpuGemm.prepare`; in an fp32 model, weights with K a multiple of 8 are laid out in
+        panels instead: a bf16/fp16 weight (a checkpoint stored in 16 bits) keeps its 16 bits (format
         ``"w16_panels"``: half the bytes to read, the same products as its fp32 values), any other
         one is cast to fp32 (format ``"f32_panels"``). A bf16 or fp16 model keeps its weights dense
         ``[N, K]`` in its dtype, for the native row tiles at few rows and oneDNN above (see
