@@ -367,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         variants = [
             ("plinth fp32 (--quantization none)", "fp32", ["--quantization", "none"]),
             ("plinth Q4_1 native (--quantization auto)", "native", ["--quantization", "auto"]),
+            (
+                "plinth bf16 (--dtype bfloat16 --quantization none)",
+                "bf16",
+                ["--dtype", "bfloat16", "--quantization", "none"],
+            ),
         ]
     else:
         variants = [("plinth fp32", "fp32", [])]
