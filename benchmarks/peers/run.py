@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/peers/run.py [--num-prompts 64] [--skip-vllm] [--skip-llamacpp] [--json PATH]
 
-Steps, back to back: plinth throughput (fp32, then the native quantized weights when plinth has
-``--quantization``), vllm throughput (fp32), llama.cpp throughput (the same Q4_1 GGUF as plinth), plinth
+Steps, back to back: plinth throughput (fp32, then the native quantized weights and a bf16 model when
+plinth has ``--quantization``), vllm throughput (fp32), llama.cpp throughput (the same Q4_1 GGUF as plinth), plinth
 throughput again (in reverse order; each plinth row is the mean of its two runs, which straddle the
 peers'), vllm batch-1 latency and start-up, llama.cpp batch-1 latency and start-up, plinth batch-1
 latency, plinth start-up. Each step is its own process; ``os.getloadavg()`` is recorded before and after
