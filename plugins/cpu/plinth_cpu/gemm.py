@@ -9,10 +9,10 @@ here), and batched it runs on the backend's own thread pool, which keeps going w
 descheduled. A bf16/fp16 checkpoint's weights in an fp32 model (``stored_dtypes``, plugin API 1.14)
 keep their 16 bits in the same panels (format ``"w16_panels"``): the kernels widen them exactly as
 they read them, so the products are the fp32 panels' bit for bit and a decode step streams half the
-bytes. A bf16/fp16 model's weights stay ``[N, K]`` in its dtype: up to
-``PLINTH_CPU_16BIT_NATIVE_ROWS`` rows the native row tiles read them widened (``x`` widened and the fp32
-product rounded once, by native calls a step graph records), above that ``F.linear`` (oneDNN's 16-bit
-GEMM, AMX where the CPU has it). float64, and every dtype without native kernels, use ``F.linear``.
+bytes. A bf16/fp16 model's weights stay ``[N, K]`` in its dtype: the native row tiles read them widened
+(``x`` widened and the fp32 product rounded once, by native calls a step graph records), in a bf16
+model up to 8 rows and above that ``F.linear`` (oneDNN's bf16 GEMM, AMX where the CPU has it; see
+:data:`ROWS16_MAX_ROWS`). float64, and every dtype without native kernels, use ``F.linear``.
 A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
 pre-transposed.
 
@@ -61,13 +61,15 @@ ACTIVATION_MODES = ("int16", "fp32", "int8")
 GROUPS_ENV = "PLINTH_CPU_Q4_1_GROUPS"
 GROUPS_MODES = ("auto", "1", "0")
 
-#: A bf16/fp16 model's dense products up to this many rows run the native row tiles (x widened, the
-#: fp32 product rounded once: recorded in step graphs); above, torch's ``F.linear`` (oneDNN's
-#: AVX512-BF16 / AMX kernels). Measured (Zen 5, AVX-512 build, 2 threads, 30 SmolLM2-shaped layers of
-#: bf16 weights from memory, GFLOP/s native / oneDNN): 1 row 33 / 19, 4 rows 126 / 74, 8 rows
-#: 140 / 133, 16 rows 149 / 238, 64 rows - / 494.
+#: A bf16 model's dense products up to this many rows run the native row tiles (x widened, the fp32
+#: product rounded once: recorded in step graphs); above, torch's ``F.linear`` (oneDNN's AVX512-BF16 /
+#: AMX kernels). Measured (Zen 5, AVX-512 build, 2 threads, 30 SmolLM2-shaped layers of bf16 weights
+#: from memory, GFLOP/s native / oneDNN): 1 row 33 / 19, 4 rows 126 / 74, 8 rows 140 / 133, 16 rows
+#: 149 / 238, 64 rows - / 494. An fp16 model's products take the native tiles at every row count:
+#: torch's fp16 GEMM ran at 38-45 GFLOP/s from 8 to 256 rows here (no AVX512-FP16), the tiles at
+#: 163-254. ``PLINTH_CPU_16BIT_NATIVE_ROWS`` sets one bound for both.
 ROWS16_ENV = "PLINTH_CPU_16BIT_NATIVE_ROWS"
-ROWS16_MAX_ROWS = 8
+ROWS16_MAX_ROWS = {torch.bfloat16: 8, torch.float16: 1 << 62}
 
 #: Quantized products up to this many rows dequantize 3 weight rows at a time (per 32-row block of
 #: activations); above, the whole weight is dequantized once into scratch.
@@ -142,10 +144,10 @@ class NativeGemm(CpuGemm):
             raise ValueError(f"{GROUPS_ENV}={groups!r}: expected one of {', '.join(GROUPS_MODES)}")
         wanted = native.variant.name == "avx512" if groups == "auto" else groups == "1"
         self.group_q4_1 = activations == "int16" and wanted
-        rows16 = os.environ.get(ROWS16_ENV, str(ROWS16_MAX_ROWS))
-        if not rows16.isdigit():
+        rows16 = os.environ.get(ROWS16_ENV)
+        if rows16 is not None and not rows16.isdigit():
             raise ValueError(f"{ROWS16_ENV}={rows16!r}: expected a row count (0: never the native tiles)")
-        self.rows16_max_rows = int(rows16)
+        self.rows16_max_rows = ROWS16_MAX_ROWS.get(dtype, 0) if rows16 is None else int(rows16)
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
         # an fp32 model takes a 16-bit checkpoint's weights as stored and keeps them in 16-bit panels
         keep16 = dtype == torch.float32 and os.environ.get(KEEP16_ENV, "1") != "0"
