@@ -413,6 +413,15 @@ static inline void store3(float *y, __m128 v, const int64_t col[3], const float 
     for (int j = 0; j < 3; j++) y[col[j]] = r[j] + (bias ? bias[col[j]] : 0.0f);
 }
 
+/* A 16-bit weight's three row streams, PANEL_PF_DIST bytes ahead of element k (once per 64 bytes: 32
+ * elements): the hardware prefetcher alone kept too few lines in flight, as for the 16-bit panels. */
+static inline __attribute__((always_inline)) void rows16_prefetch(const void *w0, const void *w1, const void *w2,
+                                                                  int64_t k, int wt) {
+    _mm_prefetch((const char *)wat(w0, k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+    _mm_prefetch((const char *)wat(w1, k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+    _mm_prefetch((const char *)wat(w2, k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+}
+
 /* 4 activation rows (K apart) against weight rows w[0..2] (elements of kind wt, widened as read); row
  * i's outputs go to y + i * N at col[] */
 static inline __attribute__((always_inline)) void tile_4x3_w(const float *x, const void *const w[3], int64_t K,
@@ -428,6 +437,7 @@ static inline __attribute__((always_inline)) void tile_4x3_w(const float *x, con
         __m512 z00 = _mm512_setzero_ps(), z01 = z00, z02 = z00, z10 = z00, z11 = z00, z12 = z00;
         __m512 z20 = z00, z21 = z00, z22 = z00, z30 = z00, z31 = z00, z32 = z00;
         for (; k + 16 <= K; k += 16) {
+            if (wt != W_F32 && !(k & 31)) rows16_prefetch(w0, w1, w2, k, wt);
             __m512 a = load16w(w0, k, wt), b = load16w(w1, k, wt), c = load16w(w2, k, wt);
             __m512 v = _mm512_loadu_ps(x0 + k);
             z00 = _mm512_fmadd_ps(v, a, z00), z01 = _mm512_fmadd_ps(v, b, z01), z02 = _mm512_fmadd_ps(v, c, z02);
@@ -445,6 +455,7 @@ static inline __attribute__((always_inline)) void tile_4x3_w(const float *x, con
     }
 #endif
     for (; k < K; k += 8) {
+        if (wt != W_F32 && !(k & 31)) rows16_prefetch(w0, w1, w2, k, wt);
         __m256 a = load8w(w0, k, wt), b = load8w(w1, k, wt), c = load8w(w2, k, wt);
         __m256 v = _mm256_loadu_ps(x0 + k);
         c00 = _mm256_fmadd_ps(v, a, c00), c01 = _mm256_fmadd_ps(v, b, c01), c02 = _mm256_fmadd_ps(v, c, c02);
@@ -472,6 +483,7 @@ static inline __attribute__((always_inline)) void tile_1x3_w(const float *x, con
     { /* 32 k a step in two 16-wide chains per row, folded into the 8-wide chains for the tail */
         __m512 za0 = _mm512_setzero_ps(), za1 = za0, zb0 = za0, zb1 = za0, zc0 = za0, zc1 = za0;
         for (; k + 32 <= K; k += 32) {
+            if (wt != W_F32) rows16_prefetch(w0, w1, w2, k, wt);
             __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
             za0 = _mm512_fmadd_ps(load16w(w0, k, wt), xa, za0), za1 = _mm512_fmadd_ps(load16w(w0, k + 16, wt), xb, za1);
             zb0 = _mm512_fmadd_ps(load16w(w1, k, wt), xa, zb0), zb1 = _mm512_fmadd_ps(load16w(w1, k + 16, wt), xb, zb1);
@@ -482,6 +494,7 @@ static inline __attribute__((always_inline)) void tile_1x3_w(const float *x, con
     }
 #endif
     for (; k + 16 <= K; k += 16) { /* two chains per row: the loop is bound by FMA latency otherwise */
+        if (wt != W_F32 && !(k & 31)) rows16_prefetch(w0, w1, w2, k, wt);
         __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
         a0 = _mm256_fmadd_ps(load8w(w0, k, wt), xa, a0), a1 = _mm256_fmadd_ps(load8w(w0, k + 8, wt), xb, a1);
         b0 = _mm256_fmadd_ps(load8w(w1, k, wt), xa, b0), b1 = _mm256_fmadd_ps(load8w(w1, k + 8, wt), xb, b1);
