@@ -11,10 +11,10 @@ keep their 16 bits in the same panels (format ``"w16_panels"``): the kernels wid
 they read them, so the products are the fp32 panels' bit for bit and a decode step streams half the
 bytes. A bf16/fp16 model's weights stay ``[N, K]`` in its dtype: the native row tiles read them widened
 (``x`` widened and the fp32 product rounded once, by native calls a step graph records), in a bf16
-model up to 8 rows and above that ``F.linear`` (oneDNN's bf16 GEMM, AMX where the CPU has it; see
-:data:`ROWS16_MAX_ROWS`). float64, and every dtype without native kernels, use ``F.linear``.
-A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts, so the weight is never
-pre-transposed.
+model on a CPU with AVX512-BF16 or AMX up to 8 rows and above that ``F.linear`` (oneDNN's bf16
+GEMM), else at every row count (see :data:`ROWS16_ENV`). float64, and every dtype without native
+kernels, use ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts,
+so the weight is never pre-transposed.
 
 Quantized weights keep their GGUF blocks' values (never dequantized at load). Few rows (decode): the
 native kernel unpacks each block in registers and multiplies it with the activations rounded to
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import ELEMENT_TYPES, PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels
+from plinth_cpu.preflight import _cpu_flags
 
 #: ``LinearWeight.format`` of an fp32 weight laid out in 8-row panels for the native kernels.
 PANELS = "f32_panels"
@@ -67,9 +68,25 @@ GROUPS_MODES = ("auto", "1", "0")
 #: from memory, GFLOP/s native / oneDNN): 1 row 33 / 19, 4 rows 126 / 74, 8 rows 140 / 133, 16 rows
 #: 149 / 238, 64 rows - / 494. An fp16 model's products take the native tiles at every row count:
 #: torch's fp16 GEMM ran at 38-45 GFLOP/s from 8 to 256 rows here (no AVX512-FP16), the tiles at
-#: 163-254. ``PLINTH_CPU_16BIT_NATIVE_ROWS`` sets one bound for both.
+#: 163-254. Nor does a bf16 model on a CPU without AVX512-BF16 or AMX (or with oneDNN held below them
+#: by ``ONEDNN_MAX_CPU_ISA``): oneDNN's bf16 GEMM then ran at 38 GFLOP/s, and the 64-request workload
+#: (Zen 5 held to its AVX2 paths) at 66.3 output tok/s with oneDNN above 8 rows against 281.1 with the
+#: tiles throughout. ``PLINTH_CPU_16BIT_NATIVE_ROWS`` sets one bound for both dtypes.
 ROWS16_ENV = "PLINTH_CPU_16BIT_NATIVE_ROWS"
-ROWS16_MAX_ROWS = {torch.bfloat16: 8, torch.float16: 1 << 62}
+#: The default bound for a bf16 model where oneDNN has bf16 instructions to run; otherwise no bound.
+ROWS16_BF16_ONEDNN = 8
+UNBOUNDED = 1 << 62
+#: ``ONEDNN_MAX_CPU_ISA`` values below AVX512_CORE_BF16 (oneDNN then has no bf16 dot products).
+_ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+
+
+def onednn_runs_bf16(flags: set[str] | None) -> bool:
+    """Whether torch's oneDNN has bf16 dot products on a CPU with these /proc/cpuinfo ``flags``
+    (AVX512-BF16 or AMX-BF16) and ``ONEDNN_MAX_CPU_ISA`` does not hold it below them."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_BELOW_BF16:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & (flags or set()))
+
 
 #: Quantized products up to this many rows dequantize 3 weight rows at a time (per 32-row block of
 #: activations); above, the whole weight is dequantized once into scratch.
@@ -147,7 +164,12 @@ class NativeGemm(CpuGemm):
         rows16 = os.environ.get(ROWS16_ENV)
         if rows16 is not None and not rows16.isdigit():
             raise ValueError(f"{ROWS16_ENV}={rows16!r}: expected a row count (0: never the native tiles)")
-        self.rows16_max_rows = ROWS16_MAX_ROWS.get(dtype, 0) if rows16 is None else int(rows16)
+        if rows16 is not None:
+            self.rows16_max_rows = int(rows16)
+        elif dtype == torch.bfloat16 and onednn_runs_bf16(_cpu_flags()):
+            self.rows16_max_rows = ROWS16_BF16_ONEDNN
+        else:
+            self.rows16_max_rows = UNBOUNDED
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product
         # an fp32 model takes a 16-bit checkpoint's weights as stored and keeps them in 16-bit panels
         keep16 = dtype == torch.float32 and os.environ.get(KEEP16_ENV, "1") != "0"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from plinth.platform.backend import AttentionMetadata, AttentionSpec, SmallOps
 from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
+from plinth_cpu import gemm as gemm_mod
 from plinth_cpu import native as native_mod
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
 from plinth_cpu.gemm import DEQUANT_ROWS_MAX_ROWS, NATIVE_QUANT_MAX_ROWS, NativeGemm
@@ -1099,11 +1100,41 @@ def test_16bit_model_gemm_is_the_fp32_product_rounded_once(nk: NativeKernels, ha
     g16 = NativeGemm(half, nk)
     lw = g16.prepare(w, b)
     assert lw.format == "dense" and lw.weight is not None and lw.weight.dtype == half
-    assert m <= g16.rows16_max_rows and g16.rows16_max_rows == (8 if half == torch.bfloat16 else 1 << 62)
+    onednn = half == torch.bfloat16 and gemm_mod.onednn_runs_bf16(gemm_mod._cpu_flags())
+    assert m <= g16.rows16_max_rows == (gemm_mod.ROWS16_BF16_ONEDNN if onednn else gemm_mod.UNBOUNDED)
     y = g16.linear(x, lw)
     w16 = w.to(half)
     assert y.dtype == half and torch.equal(y, nk.gemm_f32(x.float(), w16.float(), b.to(half).float()).to(half))
     assert torch.equal(nk.gemm_rows16(x.float(), w16, None), nk.gemm_f32(x.float(), w16.float(), None))
+
+
+def test_bf16_goes_to_onednn_only_where_it_has_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's bf16 GEMM pays only with AVX512-BF16 or AMX-BF16 (held to AVX2 it ran at 38 GFLOP/s
+    here): elsewhere, and where ONEDNN_MAX_CPU_ISA holds oneDNN below them, a bf16 model's products
+    take the native row tiles at every row count."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert gemm_mod.onednn_runs_bf16({"avx2", "avx512f", "avx512_bf16"})
+    assert gemm_mod.onednn_runs_bf16({"avx2", "amx_bf16", "amx_tile"})
+    assert not gemm_mod.onednn_runs_bf16({"avx2", "fma", "f16c"})
+    assert not gemm_mod.onednn_runs_bf16(None)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert not gemm_mod.onednn_runs_bf16({"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert gemm_mod.onednn_runs_bf16({"avx2", "avx512f", "avx512_bf16"})
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "flags,bound", [({"avx2", "avx512_bf16"}, 8), ({"avx2", "fma"}, 1 << 62)], ids=["bf16", "avx2"]
+)
+def test_bf16_model_native_rows_follow_the_cpu(
+    nk: NativeKernels, monkeypatch: pytest.MonkeyPatch, flags: set[str], bound: int
+) -> None:
+    monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
+    assert NativeGemm(torch.bfloat16, nk).rows16_max_rows == bound
+    assert NativeGemm(torch.float16, nk).rows16_max_rows == gemm_mod.UNBOUNDED
 
 
 @needs_native
