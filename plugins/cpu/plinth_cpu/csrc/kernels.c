@@ -2159,13 +2159,6 @@ static inline void prefetch_step(page_prefetch *pf) {
     }
 }
 
-/* Score of query q against the key row at k (elements of kind kt) */
-static inline __attribute__((always_inline)) float dot1w(const float *q, const void *k, int64_t D, int kt) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(load8w(k, d, kt), _mm256_loadu_ps(q + d), a);
-    return hsum256(a);
-}
-
 /* Scores of query q against the 8 key rows at k (consecutive positions of one page, D elements of
  * kind kt apart). */
 static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t D, page_prefetch *pf,
@@ -2280,7 +2273,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
         for (; pos < hi && pos % 8; pos++)
             for (int64_t r = 0; r < R; r++)
                 for (int64_t j = 0; j < heads; j++)
-                    SCORES(r, j)[pos] = dot1w(q[r] + j * D, ROW(kcache, kh0 + j / group, pos), D, kt);
+                    SCORES(r, j)[pos] = dot1_w(q[r] + j * D, ROW(kcache, kh0 + j / group, pos), D, kt);
         for (; pos + 8 <= hi; pos += 8) {
             if (pos % bs == 0) { /* the next page of keys, or at the last the first of values */
                 if (pos + bs < hi) prefetch_run(&pf, ROW(kcache, kh0, pos + bs), nkh * bs * D * esize);
@@ -2299,7 +2292,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
     for (; pos < hi; pos++)
         for (int64_t r = 0; r < R; r++)
             for (int64_t j = 0; j < heads; j++)
-                SCORES(r, j)[pos] = dot1w(q[r] + j * D, ROW(kcache, kh0 + j / group, pos), D, kt);
+                SCORES(r, j)[pos] = dot1_w(q[r] + j * D, ROW(kcache, kh0 + j / group, pos), D, kt);
     /* softmax of each row and head over its own positions */
     for (int64_t r = 0; r < R; r++) {
         int64_t nr = last[r] + 1 - first[r];
