@@ -536,6 +536,47 @@ def test_prefill_attention_matches_torch_path(
 
 
 @needs_native
+@CACHE_DTYPES
+@pytest.mark.parametrize(
+    "window,soft_cap,group,head_size,block_size",
+    [(None, None, 3, 64, 16), (50, None, 4, 128, 12), (None, 30.0, 1, 64, 32), (90, 20.0, 8, 48, 16)],
+    ids=str,
+)
+def test_long_prefill_chunks_attend_in_gemm_tiles(
+    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, head_size: int,
+    block_size: int, cache_dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """Chunks of at least 24 query vectors (rows x group) with a head size a multiple of 16 attend
+    in GEMM tiles, 16 keys a block with an online softmax: a fresh 300-token prompt, a chunk after
+    earlier context, a short chunk that just qualifies, next to a decode; peaky scores (queries x 8),
+    so the running max moves between blocks; pages of 12 split the 16-key blocks. Against the torch
+    path, and a 16-bit cache bit for bit against its fp32 copy."""
+    gen = torch.Generator().manual_seed(29)
+    spec = AttentionSpec(
+        num_heads=2 * group,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=block_size,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
+    )
+    short = -(-24 // group)  # the fewest rows that take the tiles
+    seq_lens, q_lens = [300, 230, 40, 77], [300, 150, short, 1]
+    blocks = sum(-(-n // block_size) for n in seq_lens) + 2
+    cache, decode_meta = _decode_batch(seq_lens, spec, blocks, gen, cache_dtype)
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
+    )
+    q = torch.randn(sum(q_lens), spec.num_heads, head_size, generator=gen) * 8
+    got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, head_size**-0.5)
+    expected = CpuAttention(spec).forward(q, cache, meta, head_size**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if cache_dtype != torch.float32:
+        fp32 = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache.float(), meta, head_size**-0.5)
+        assert torch.equal(got, fp32)
+
+
+@needs_native
 def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
     gen = torch.Generator().manual_seed(5)
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, block_size=4)

@@ -2401,6 +2401,346 @@ int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cach
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
+/* ---- prefill attention in tiles (head sizes a multiple of 16) ----
+ * A chunk's query rows attend in tiles of up to tile_rows rows and one kv head: the tile's M = rows x
+ * group query vectors are the columns of a small GEMM against each block of 16 keys, so every key
+ * and value element loaded from a page serves all M of them from a register (the 4-row path above
+ * serves one query vector per load). Lane m of a 16-wide unit is query vector m (row m / group,
+ * head m % group); the queries are transposed once per tile ([D][Mp], Mp = M rounded up to 16),
+ * so a score is a broadcast key element times a vector of queries, and the softmax runs down the
+ * lanes (one row's running max and sum per lane: no horizontal reductions). Per block of keys:
+ * scores S[j][m] (each the FMA chain over d in order, in either build), scaled, capped, masked;
+ * the running max and sum updated online and the weighted sums O[m][0..D) rescaled where the max
+ * grew; then O[m] += P[j][m] V[j] (values loaded as vectors, probabilities broadcast). Keys and
+ * values of a 16-bit cache (or a block that is not 16 consecutive rows of one page) are first
+ * widened or gathered into a 16-row fp32 buffer, exactly, so a 16-bit cache gives the fp32 cache's
+ * result bit for bit. Every reduction is lane-wise and in a fixed order, so both builds compute the
+ * same values. */
+#define FT_KEYS 16
+#define FT_MAX_ROWS 32 /* rows of a tile at most (4 with the largest groups: 64 query vectors) */
+#ifndef FT_MIN_VECTORS
+#define FT_MIN_VECTORS 24 /* a chunk of fewer query vectors (rows x group) takes the 4-row path */
+#endif
+
+/* Rows per tile: about 64 query vectors, 4 to FT_MAX_ROWS rows. */
+static inline int64_t tile_rows_for(int64_t group) {
+    int64_t r = 64 / group;
+    return r < ATTN_ROWS ? ATTN_ROWS : r > FT_MAX_ROWS ? FT_MAX_ROWS : r;
+}
+/* Whether a chunk of q_len rows (of seq_len positions) attends in GEMM tiles: positions are compared
+ * as floats there, exact below 2^24. */
+static inline int tile_uses_gemm(int64_t q_len, int64_t seq_len, int64_t group, int64_t D) {
+    return D % 16 == 0 && q_len * group >= FT_MIN_VECTORS && seq_len < (1 << 24);
+}
+
+#if PLINTH_AVX512
+typedef __m512 v16;
+#define V16_UNITS 4 /* units of 16 lanes a score tile spans */
+#ifndef FT_TILE_KEYS
+#define FT_TILE_KEYS 6 /* keys of a score tile: 24 accumulators */
+#endif
+static inline v16 v16_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v16_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v16_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+static inline v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+/* a where lo <= p <= hi lane-wise, else -inf */
+static inline v16 v16_visible(v16 a, float p, v16 lo, v16 hi) {
+    __mmask16 k = _mm512_cmp_ps_mask(lo, v16_set1(p), _CMP_LE_OQ) & _mm512_cmp_ps_mask(v16_set1(p), hi, _CMP_LE_OQ);
+    return _mm512_mask_blend_ps(k, v16_set1(-INFINITY), a);
+}
+/* 0 where a is -inf, else a */
+static inline v16 v16_finite_or_zero(v16 a) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v16_set1(-INFINITY), _CMP_EQ_OQ), a, v16_zero());
+}
+/* exp256's steps on 16 lanes: the same operations, so the same value per lane */
+static inline v16 v16_exp(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447505531f);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i ni = _mm512_cvtps_epi32(n);
+    __m512i half = _mm512_srai_epi32(ni, 1);
+    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
+    __m512 s2 =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+    y = _mm512_maskz_mov_ps((__mmask16)~under, y);
+    y = _mm512_mask_blend_ps(over, y, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(nan, y, x);
+}
+/* 16 elements of kind kt from element i, widened */
+static inline __attribute__((always_inline)) v16 v16_loadw(const void *P, int64_t i, int kt) {
+    return load16w(P, i, kt);
+}
+#else
+typedef struct {
+    __m256 lo, hi;
+} v16;
+#define V16_UNITS 1
+#ifndef FT_TILE_KEYS
+#define FT_TILE_KEYS 6 /* keys of a score tile: 12 accumulators (two registers a unit) */
+#endif
+static inline v16 v16_make(__m256 lo, __m256 hi) {
+    v16 v = {lo, hi};
+    return v;
+}
+static inline v16 v16_load(const float *p) { return v16_make(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void v16_store(float *p, v16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline v16 v16_set1(float x) { return v16_make(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
+static inline v16 v16_zero(void) { return v16_make(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline v16 v16_fmadd(v16 a, v16 b, v16 c) {
+    return v16_make(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline v16 v16_mul(v16 a, v16 b) { return v16_make(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline v16 v16_add(v16 a, v16 b) { return v16_make(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+static inline v16 v16_sub(v16 a, v16 b) { return v16_make(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+static inline v16 v16_max(v16 a, v16 b) { return v16_make(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline __m256 visible8(__m256 a, __m256 p, __m256 lo, __m256 hi) {
+    __m256 k = _mm256_and_ps(_mm256_cmp_ps(lo, p, _CMP_LE_OQ), _mm256_cmp_ps(p, hi, _CMP_LE_OQ));
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), a, k);
+}
+static inline v16 v16_visible(v16 a, float p, v16 lo, v16 hi) {
+    __m256 pv = _mm256_set1_ps(p);
+    return v16_make(visible8(a.lo, pv, lo.lo, hi.lo), visible8(a.hi, pv, lo.hi, hi.hi));
+}
+static inline __m256 finite_or_zero8(__m256 a) {
+    return _mm256_blendv_ps(a, _mm256_setzero_ps(), _mm256_cmp_ps(a, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+}
+static inline v16 v16_finite_or_zero(v16 a) { return v16_make(finite_or_zero8(a.lo), finite_or_zero8(a.hi)); }
+static inline v16 v16_exp(v16 x) { return v16_make(exp256(x.lo), exp256(x.hi)); }
+static inline __attribute__((always_inline)) v16 v16_loadw(const void *P, int64_t i, int kt) {
+    return v16_make(load8w(P, i, kt), load8w(P, i + 8, kt));
+}
+#endif
+
+/* One tile's scratch (floats): Mp = M rounded up to 16 lanes. */
+typedef struct {
+    float *qt;            /* [D][Mp] the queries, transposed (lanes past M zero) */
+    float *s;             /* [FT_KEYS][Mp] a block's scores, then its probabilities */
+    float *o;             /* [M][D] the running weighted sums of values */
+    float *kb, *vb;       /* [FT_KEYS][D] a block's keys and values, widened or gathered */
+    float *mx, *l, *alpha, *bmax; /* [Mp] each lane's running max and sum, a block's rescale and max */
+    float *first, *last;  /* [Mp] each lane's visible positions (floats: exact below 2^24) */
+} tile_buf;
+
+static float *tile_buf_alloc(tile_buf *b, int64_t Mp, int64_t D) {
+    size_t n = (size_t)(D * Mp + FT_KEYS * Mp + Mp * D + 2 * FT_KEYS * D + 6 * Mp);
+    float *f = (float *)aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+    if (!f) return NULL;
+    b->qt = f, b->s = b->qt + D * Mp, b->o = b->s + FT_KEYS * Mp, b->kb = b->o + Mp * D, b->vb = b->kb + FT_KEYS * D;
+    b->mx = b->vb + FT_KEYS * D, b->l = b->mx + Mp, b->alpha = b->l + Mp, b->bmax = b->alpha + Mp;
+    b->first = b->bmax + Mp;
+    b->last = b->first + Mp;
+    return f;
+}
+
+/* What a block's score tiles need besides the operands. */
+typedef struct {
+    const float *qt;   /* [D][Mp] */
+    int64_t Mp, D;
+    v16 scale;
+    float soft_cap;    /* > 0: cap * tanh(s / cap) */
+    int masked;        /* some lane cannot see some key of the block */
+    const float *first, *last; /* [Mp] each lane's visible positions */
+    float *bmax;       /* [Mp] the block's running max per lane */
+} score_args;
+
+/* s[j][lanes of `units` units from mu] for 4 keys j (k[j][d], D apart) from position pos: each the
+ * FMA chain over d in order, scaled, capped, masked (-inf where the lane cannot see the key), and
+ * folded into the lanes' block max; 4 x units accumulators in registers (units a constant in each
+ * inlined copy). */
+static inline __attribute__((always_inline)) void tile_scores(const score_args *a, const float *k, float *s,
+                                                              int64_t pos, int64_t mu, int units, int keys) {
+    int64_t Mp = a->Mp, D = a->D;
+    v16 acc[FT_TILE_KEYS][V16_UNITS];
+    for (int j = 0; j < keys; j++)
+        for (int u = 0; u < units; u++) acc[j][u] = v16_zero();
+    for (int64_t d = 0; d < D; d++) {
+        v16 q[V16_UNITS];
+        for (int u = 0; u < units; u++) q[u] = v16_load(a->qt + d * Mp + (mu + u) * 16);
+        for (int j = 0; j < keys; j++) {
+            v16 kv = v16_set1(k[j * D + d]);
+            for (int u = 0; u < units; u++) acc[j][u] = v16_fmadd(q[u], kv, acc[j][u]);
+        }
+    }
+    for (int u = 0; u < units; u++) {
+        float *bm = a->bmax + (mu + u) * 16;
+        v16 mx = v16_load(bm);
+        for (int j = 0; j < keys; j++) {
+            v16 sv = v16_mul(acc[j][u], a->scale);
+            if (a->soft_cap > 0.0f) {
+                float t[16];
+                v16_store(t, sv);
+                for (int i = 0; i < 16; i++) t[i] = a->soft_cap * tanhf(t[i] / a->soft_cap);
+                sv = v16_load(t);
+            }
+            if (a->masked)
+                sv = v16_visible(sv, (float)(pos + j), v16_load(a->first + (mu + u) * 16), v16_load(a->last + (mu + u) * 16));
+            v16_store(s + j * Mp + (mu + u) * 16, sv);
+            mx = v16_max(mx, sv);
+        }
+        v16_store(bm, mx);
+    }
+}
+
+/* o[m][d0..d0+16 units) += sum over the block's keys j of p[j][m] * v[j][...], for `rows` query
+ * vectors from m0 (rows and units constants in each inlined copy) */
+static inline __attribute__((always_inline)) void tile_values(const float *p, int64_t Mp, const float *v, int64_t D,
+                                                              float *o, int64_t m0, int64_t d0, int rows, int units) {
+    v16 acc[6][V16_UNITS];
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < units; u++) acc[r][u] = v16_load(o + (m0 + r) * D + d0 + u * 16);
+    for (int j = 0; j < FT_KEYS; j++) {
+        v16 vv[V16_UNITS];
+        for (int u = 0; u < units; u++) vv[u] = v16_load(v + j * D + d0 + u * 16);
+        for (int r = 0; r < rows; r++) {
+            v16 w = v16_set1(p[j * Mp + m0 + r]);
+            for (int u = 0; u < units; u++) acc[r][u] = v16_fmadd(w, vv[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < units; u++) v16_store(o + (m0 + r) * D + d0 + u * 16, acc[r][u]);
+}
+
+static inline __attribute__((always_inline)) void tile_values_rows(const float *p, int64_t Mp, const float *v,
+                                                                   int64_t D, float *o, int64_t m0, int64_t d0,
+                                                                   int64_t rows, int units) {
+    switch (rows) {
+    case 6: tile_values(p, Mp, v, D, o, m0, d0, 6, units); break;
+    case 5: tile_values(p, Mp, v, D, o, m0, d0, 5, units); break;
+    case 4: tile_values(p, Mp, v, D, o, m0, d0, 4, units); break;
+    case 3: tile_values(p, Mp, v, D, o, m0, d0, 3, units); break;
+    case 2: tile_values(p, Mp, v, D, o, m0, d0, 2, units); break;
+    default: tile_values(p, Mp, v, D, o, m0, d0, 1, units); break;
+    }
+}
+
+/* The 16 rows of positions p0.. of kv head kh from `cache` (K or V), as fp32 rows D apart: the page
+ * itself where they are 16 consecutive fp32 rows of one page, else widened/gathered into buf (rows
+ * outside [lo, hi) zero). */
+static inline __attribute__((always_inline)) const float *tile_rows(const attn_ctx *c, const int32_t *table,
+                                                                    const void *cache, int64_t kh, int64_t p0,
+                                                                    int64_t lo, int64_t hi, float *buf, int kt) {
+    int64_t Hk = c->Hk, D = c->D, bs = c->bs;
+#define TROW(pos) wat(cache, (((int64_t)table[(pos) / bs] * Hk + kh) * bs + (pos) % bs) * D, kt)
+    if (kt == W_F32 && p0 >= lo && p0 + FT_KEYS <= hi && p0 % bs + FT_KEYS <= bs) return (const float *)TROW(p0);
+    for (int64_t j = 0; j < FT_KEYS; j++) {
+        int64_t pos = p0 + j;
+        float *dst = buf + j * D;
+        if (pos < lo || pos >= hi) {
+            memset(dst, 0, sizeof(float) * (size_t)D);
+            continue;
+        }
+        const void *src = TROW(pos);
+        for (int64_t d = 0; d < D; d += 16) v16_store(dst + d, v16_loadw(src, d, kt));
+    }
+#undef TROW
+    return buf;
+}
+
+/* Attention of R query rows of one chunk (positions last[0] < ... < last[R-1], consecutive) for kv
+ * head kh: the query vectors of row r at q[r] (its group's heads D apart), outputs at o[r]. */
+static inline __attribute__((always_inline)) void attend_tile_w(const attn_ctx *c, const int32_t *table, int64_t kh,
+                                                                int64_t R, const float *const *q, float *const *o,
+                                                                const int64_t *last, tile_buf *b, int kt) {
+    int64_t Hk = c->Hk, D = c->D, group = c->H / Hk, M = R * group, Mp = (M + 15) / 16 * 16, units = Mp / 16;
+    const void *kcache = c->cache, *vcache = wat(c->cache, c->num_blocks * Hk * c->bs * D, kt);
+    int64_t first0 = c->window > 0 && last[0] + 1 > c->window ? last[0] + 1 - c->window : 0;
+    int64_t lo = first0, hi = last[R - 1] + 1, max_first = 0, min_last = last[0];
+    for (int64_t m = 0; m < Mp; m++) {
+        int64_t r = m < M ? m / group : R - 1;
+        int64_t f = c->window > 0 && last[r] + 1 > c->window ? last[r] + 1 - c->window : 0;
+        b->first[m] = (float)f, b->last[m] = (float)last[r], b->mx[m] = -INFINITY, b->l[m] = 0.0f;
+        if (m < M && f > max_first) max_first = f;
+    }
+    /* the queries gathered into o's rows (lanes past M zero), then transposed 8 x 8 into qt */
+    for (int64_t m = 0; m < Mp; m++) {
+        if (m < M) memcpy(b->o + m * D, q[m / group] + (m % group) * D, sizeof(float) * (size_t)D);
+        else memset(b->o + m * D, 0, sizeof(float) * (size_t)D);
+    }
+    for (int64_t m = 0; m < Mp; m += 8)
+        for (int64_t d = 0; d < D; d += 8) transpose8(b->o + m * D + d, D, b->qt + d * Mp + m, Mp, 8);
+    memset(b->o, 0, sizeof(float) * (size_t)(M * D));
+    v16 scale = v16_set1(c->scale);
+    for (int64_t p0 = lo / FT_KEYS * FT_KEYS; p0 < hi; p0 += FT_KEYS) {
+        const float *k = tile_rows(c, table, kcache, kh, p0, lo, hi, b->kb, kt);
+        score_args sa = {b->qt, Mp, D, scale, c->soft_cap, p0 < max_first || p0 + FT_KEYS - 1 > min_last,
+                         b->first, b->last, b->bmax};
+        for (int64_t m = 0; m < Mp; m += 16) v16_store(b->bmax + m, v16_set1(-INFINITY));
+        for (int64_t j = 0; j < FT_KEYS; j += FT_TILE_KEYS) {
+            int keys = FT_KEYS - j < FT_TILE_KEYS ? FT_KEYS - j : FT_TILE_KEYS;
+            const float *kj = k + j * D;
+            float *sj = b->s + j * Mp;
+            int64_t mu = 0;
+            for (; mu + V16_UNITS <= units; mu += V16_UNITS) {
+                if (keys == FT_TILE_KEYS) tile_scores(&sa, kj, sj, p0 + j, mu, V16_UNITS, FT_TILE_KEYS);
+                else tile_scores(&sa, kj, sj, p0 + j, mu, V16_UNITS, FT_KEYS % FT_TILE_KEYS);
+            }
+#if V16_UNITS > 1
+#define FT_SCORES(u)                                                                           \
+    (keys == FT_TILE_KEYS ? tile_scores(&sa, kj, sj, p0 + j, mu, (u), FT_TILE_KEYS)             \
+                          : tile_scores(&sa, kj, sj, p0 + j, mu, (u), FT_KEYS % FT_TILE_KEYS))
+            switch (units - mu) { /* the units left: fewer than V16_UNITS */
+            case 3: FT_SCORES(3); break;
+            case 2: FT_SCORES(2); break;
+            case 1: FT_SCORES(1); break;
+            default: break;
+            }
+#undef FT_SCORES
+#endif
+        }
+        /* the online softmax down each lane */
+        for (int64_t u = 0; u < units; u++) {
+            float *su = b->s + u * 16;
+            v16 bmax = v16_load(b->bmax + u * 16);
+            v16 mold = v16_load(b->mx + u * 16), mnew = v16_max(mold, bmax), base = v16_finite_or_zero(mnew);
+            v16 sum = v16_zero();
+            for (int64_t j = 0; j < FT_KEYS; j++) {
+                v16 e = v16_exp(v16_sub(v16_load(su + j * Mp), base));
+                v16_store(su + j * Mp, e);
+                sum = v16_add(sum, e);
+            }
+            v16 alpha = v16_exp(v16_sub(mold, base));
+            v16_store(b->alpha + u * 16, alpha);
+            v16_store(b->l + u * 16, v16_fmadd(v16_load(b->l + u * 16), alpha, sum));
+            v16_store(b->mx + u * 16, mnew);
+        }
+        for (int64_t m = 0; m < M; m++)
+            if (b->alpha[m] != 1.0f) {
+                v16 a = v16_set1(b->alpha[m]);
+                for (int64_t d = 0; d < D; d += 16) v16_store(b->o + m * D + d, v16_mul(v16_load(b->o + m * D + d), a));
+            }
+        const float *v = tile_rows(c, table, vcache, kh, p0, lo, hi, b->vb, kt);
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+            int64_t rows = M - m0 < 6 ? M - m0 : 6, d0 = 0;
+            for (; d0 + 16 * V16_UNITS <= D; d0 += 16 * V16_UNITS)
+                tile_values_rows(b->s, Mp, v, D, b->o, m0, d0, rows, V16_UNITS);
+            for (; d0 < D; d0 += 16) tile_values_rows(b->s, Mp, v, D, b->o, m0, d0, rows, 1);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        v16 inv = v16_set1(1.0f / b->l[m]);
+        float *out = o[m / group] + (m % group) * D;
+        for (int64_t d = 0; d < D; d += 16) v16_store(out + d, v16_mul(v16_load(b->o + m * D + d), inv));
+    }
+}
+
 /* Prefill chunks: chunk g's q_lens[g] query rows start at row q_start[g] of q (rows sq apart) and
  * are the last q_lens[g] of its seq_lens[g] positions (their K/V already in the cache); row j sees
  * the positions up to its own. Outputs go to the same rows of out ([rows][H][D], dense). */
@@ -2409,9 +2749,11 @@ typedef struct {
     const int64_t *q_start;
     const int32_t *q_lens;
     const int32_t *chunk_lens;
-    const int64_t *tile_chunk; /* the chunk of each ATTN_ROWS-row tile */
+    const int64_t *tile_chunk; /* the chunk of each tile */
     const int64_t *tile_row;   /* its first row within the chunk */
+    const int64_t *tile_len;   /* its rows: ATTN_ROWS at most for the 4-row path, more in a GEMM tile */
     int64_t tiles;
+    int64_t tile_mp; /* lanes of the largest GEMM tile (0: none) */
 } prefill_ctx;
 
 /* items are (row tile, kv head) pairs, kv head outer */
@@ -2419,26 +2761,38 @@ static inline __attribute__((always_inline)) void prefill_attention_range_w(void
                                                                             int kt) {
     prefill_ctx *c = (prefill_ctx *)p;
     int64_t H = c->a.H, Hk = c->a.Hk, D = c->a.D, group = H / Hk;
+    tile_buf tb;
+    float *tile_mem = NULL;
     for (int64_t task = begin; task < end; task++) {
         int64_t t = task % c->tiles, kh = task / c->tiles, g = c->tile_chunk[t], j0 = c->tile_row[t];
-        int64_t q_len = c->q_lens[g], R = q_len - j0 < ATTN_ROWS ? q_len - j0 : ATTN_ROWS;
-        int64_t first_pos = c->chunk_lens[g] - q_len, last[ATTN_ROWS];
-        const float *q[ATTN_ROWS];
-        float *o[ATTN_ROWS];
+        int64_t R = c->tile_len[t], first_pos = c->chunk_lens[g] - c->q_lens[g];
+        const float *q[FT_MAX_ROWS];
+        float *o[FT_MAX_ROWS];
+        int64_t last[FT_MAX_ROWS];
         for (int64_t r = 0; r < R; r++) {
             int64_t row = c->q_start[g] + j0 + r;
             last[r] = first_pos + j0 + r;
             q[r] = c->a.q + row * c->a.sq + kh * group * D;
             o[r] = c->a.out + (row * H + kh * group) * D;
         }
+        const int32_t *table = c->a.block_tables + g * c->a.max_blocks;
+        if (c->tile_mp && tile_uses_gemm(c->q_lens[g], c->chunk_lens[g], group, D)) {
+            if (!tile_mem && !(tile_mem = tile_buf_alloc(&tb, c->tile_mp, D))) {
+                atomic_store(&c->a.failed, 1);
+                return;
+            }
+            attend_tile_w(&c->a, table, kh, R, q, o, last, &tb, kt);
+            continue;
+        }
         float *scores = (float *)malloc(sizeof(float) * (size_t)(R * group * (last[R - 1] + 1) + 8));
         if (!scores) {
             atomic_store(&c->a.failed, 1);
-            return;
+            break;
         }
-        attend_rows_w(&c->a, c->a.block_tables + g * c->a.max_blocks, kh, 1, R, q, o, last, scores, kt);
+        attend_rows_w(&c->a, table, kh, 1, R, q, o, last, scores, kt);
         free(scores);
     }
+    free(tile_mem);
 }
 
 static void prefill_attention_range(void *p, int64_t begin, int64_t end) {
@@ -2457,16 +2811,23 @@ int plinth_prefill_attention(int kt, const float *q, int64_t sq, const void *cac
                              int64_t max_blocks, const int64_t *q_start, const int32_t *q_lens, const int32_t *seq_lens,
                              float *out, int64_t G, int64_t H, int64_t Hk, int64_t D, int64_t bs, int64_t num_blocks,
                              float scale, int64_t window, float soft_cap) {
-    int64_t tiles = 0, work = 0;
-    for (int64_t g = 0; g < G; g++) tiles += (q_lens[g] + ATTN_ROWS - 1) / ATTN_ROWS, work += (int64_t)q_lens[g] * seq_lens[g];
-    int64_t *tile_chunk = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * tiles + 1));
+    int64_t group = H / Hk, big = tile_rows_for(group), tiles = 0, work = 0, tile_mp = 0;
+    for (int64_t g = 0; g < G; g++) {
+        int64_t rows = tile_uses_gemm(q_lens[g], seq_lens[g], group, D) ? big : ATTN_ROWS;
+        tiles += (q_lens[g] + rows - 1) / rows, work += (int64_t)q_lens[g] * seq_lens[g];
+        if (rows == big) tile_mp = (big * group + 15) / 16 * 16;
+    }
+    int64_t *tile_chunk = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * tiles + 1));
     if (!tile_chunk) return -1;
-    int64_t *tile_row = tile_chunk + tiles, t = 0;
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t j = 0; j < q_lens[g]; j += ATTN_ROWS) tile_chunk[t] = g, tile_row[t] = j, t++;
+    int64_t *tile_row = tile_chunk + tiles, *tile_len = tile_row + tiles, t = 0;
+    for (int64_t g = 0; g < G; g++) {
+        int64_t rows = tile_uses_gemm(q_lens[g], seq_lens[g], group, D) ? big : ATTN_ROWS;
+        for (int64_t j = 0; j < q_lens[g]; j += rows, t++)
+            tile_chunk[t] = g, tile_row[t] = j, tile_len[t] = q_lens[g] - j < rows ? q_lens[g] - j : rows;
+    }
     prefill_ctx c = {{q, sq, cache, block_tables, max_blocks, NULL, out, 0, H, Hk, D, bs, num_blocks, scale, window,
                       soft_cap, 0, 0},
-                     q_start, q_lens, seq_lens, tile_chunk, tile_row, tiles};
+                     q_start, q_lens, seq_lens, tile_chunk, tile_row, tile_len, tiles, tile_mp};
     /* items of at least ~64k multiply-adds, as for decodes */
     int64_t per_item = (work / (tiles ? tiles : 1) + 1) * (H / Hk) * D * 2;
     parallel_for(kt == W_BF16  ? prefill_attention_range_bf16
