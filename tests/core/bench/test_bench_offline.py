@@ -67,6 +67,13 @@ def test_throughput_and_latency_on_a_tiny_model(tmp_path: Path) -> None:
     assert max(lat["read_probe_gbps_runs"]) == pytest.approx(max(lat["read_probe_gbps"].values()), abs=0.1)
     assert all(0 < g <= max(lat["read_probe_gbps"].values()) for g in lat["read_probe_gbps_runs"])
     assert lat["pct_of_bandwidth_limit"] > 0
+    # the model's own weights, streamed in place around each run: a limit of their own
+    assert len(lat["weight_stream_gbps_runs"]) == 2 and set(lat["weight_stream_gbps"]) == set(lat["read_probe_gbps"])
+    best_stream = max(lat["weight_stream_gbps"].values())
+    assert max(lat["weight_stream_gbps_runs"]) == pytest.approx(best_stream, abs=0.1)
+    limit = best_stream * 1e9 / (lat["weight_mb_per_token"] * 1e6)
+    assert lat["weight_stream_tok_s"] == pytest.approx(limit, rel=0.02) and lat["weight_stream_tok_s"] > 0
+    assert lat["pct_of_weight_stream"] > 0
 
 
 def test_cold_start_is_process_start_to_first_token_with_its_phases(tmp_path: Path) -> None:
