@@ -88,7 +88,7 @@ class WeightStream:
         for t in tensors:
             if t.numel() == 0:
                 continue
-            if not t.is_contiguous() or t.device != device:
+            if not t.is_contiguous() or not _on(t, device):
                 rest.append(t)
                 continue
             b = t.detach().reshape(-1).view(torch.uint8)  # its bytes, in place
@@ -105,6 +105,12 @@ class WeightStream:
     def nbytes(self) -> int:
         """Bytes one pass reads."""
         return sum(t.numel() * t.element_size() for t in (*self.blocks, *self.rest))
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """``t`` is on ``device``; a device named without an index (the services' usual form) matches
+    every index of its type."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def weight_stream(model: Any, services: DeviceServices) -> WeightStream:

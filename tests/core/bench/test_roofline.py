@@ -83,3 +83,10 @@ def test_gemm_peak_gives_up_repeats_past_its_budget() -> None:
 
     gemm_peak(Counting(torch.device("cpu")), [(8, 8, 8)], dtypes=("float32",), repeats=50, budget_s=0.0)
     assert len(calls) == 2  # the warm-up and one timed call: over the budget after it
+
+
+def test_tensors_on_another_device_are_left_to_torch() -> None:
+    tensors = [torch.zeros(PROBE_FLOATS)]
+    assert len(WeightStream.of(tensors, torch.device("cpu")).blocks) == 1
+    elsewhere = WeightStream.of(tensors, torch.device("meta"))
+    assert elsewhere.blocks == () and elsewhere.rest == (tensors[0],) and elsewhere.nbytes == 4 * PROBE_FLOATS
