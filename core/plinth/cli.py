@@ -334,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_latency_arguments(bench_lat)
     _verbose_arg(bench_lat)
     bench_lat.set_defaults(func=run_bench_latency)
+    from plinth.bench.prefill import add_bench_prefill_arguments, run_bench_prefill
+
+    bench_pre = bench_sub.add_parser("prefill", help="prompt processing tok/s against the GEMM peak")
+    add_bench_prefill_arguments(bench_pre)
+    _verbose_arg(bench_pre)
+    bench_pre.set_defaults(func=run_bench_prefill)
     from plinth.bench.speculative import add_bench_speculative_arguments, run_bench_speculative
 
     bench_spec = bench_sub.add_parser(

@@ -1,5 +1,6 @@
 """Benchmarks (``plinth bench ...``), one module each: ``serve`` load-tests a running server,
-``throughput`` and ``latency`` measure the offline engine."""
+``throughput``, ``latency``, ``prefill`` and ``speculative`` measure the offline engine; ``roofline``
+holds the limits they are set against (read bandwidth, the model's weight stream, GEMM peak)."""
 
 
 class BenchError(Exception):

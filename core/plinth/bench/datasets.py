@@ -43,6 +43,14 @@ def synthetic(
     ]
 
 
+def with_fresh_ids(requests: list[BenchRequest], vocab_size: int, seed: int | str) -> list[BenchRequest]:
+    """``requests`` with the same prompt and output lengths and prompt ids drawn afresh from ``seed``
+    (as :func:`synthetic` draws them), for a later pass of a workload in the same engine: the same
+    work, none of it found in the prefix cache (a pass over the same prompts would skip their prefill)."""
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(256, vocab_size) for _ in r.prompt_ids], r.output_len) for r in requests]
+
+
 def sharegpt(path: str | Path, tokenizer: Any, num_requests: int, max_prompt_len: int = 1024) -> list[BenchRequest]:
     """The first ``num_requests`` usable conversations of a ShareGPT-format JSON file: the first human
     turn is the prompt, the length of the first model turn (in tokens) is the output length."""

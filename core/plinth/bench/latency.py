@@ -10,14 +10,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plinth.bench import BenchError, output_path
+from plinth.bench.roofline import (
+    probe_buffer,
+    read_bandwidth_probes,
+    weight_bytes_per_token,
+    weight_stream,
+    weight_stream_probes,
+)
 from plinth.engine_args import add_engine_arguments, engine_options, int_at_least, positive_int
-
-if TYPE_CHECKING:
-    from plinth.platform.backend import DeviceServices
 
 
 def add_bench_latency_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,11 +35,15 @@ def add_bench_latency_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> dict[str, Any]:
-    """Median batch-1 decode tok/s and TTFT over ``iters`` runs (after one warm-up run).
+    """Median batch-1 decode tok/s and TTFT over ``iters`` runs (after one warm-up run), each held to
+    two limits measured in the same run.
 
-    The read-bandwidth probes run before the first run and after each one, so each run is held to
-    the better of the probes just before and just after it (the machine's load moves between runs);
-    ``pct_of_bandwidth_limit`` is the median of those per-run percentages."""
+    The read-bandwidth probes (DRAM: a 256 MB buffer) and the weight stream (the same probes over the
+    model's own linear weights in place, whole passes: what a decode step must read, from wherever the
+    host's caches keep it) run before the first run and after each one, so each run is held to the
+    better of the figures just before and just after it (the machine's load moves between runs);
+    ``pct_of_bandwidth_limit`` and ``pct_of_weight_stream`` are the medians of those per-run
+    percentages."""
     import random
 
     from plinth.sampling_params import SamplingParams
@@ -47,21 +54,30 @@ def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> di
     weights = weight_bytes_per_token(llm.engine.model)
     backend = llm.engine.backend.name
     services = llm.engine.backend.device_services()
-    decode, ttft, probes = [], [], []
+    stream = weight_stream(llm.engine.model, services)
+    decode, ttft, probes, streams = [], [], [], []
     buffer = probe_buffer(services)  # one buffer for every probe of the run
+
+    def take_probes() -> None:
+        probes.append(read_bandwidth_probes(services, repeats=3, buffer=buffer))
+        streams.append(weight_stream_probes(services, stream, repeats=3))  # last: the weights stay cached
+
     for i in range(iters + 1):
         prompt = [rng.randrange(256, vocab) for _ in range(input_len)]  # fresh: no prefix-cache hit
         if i > 0:
-            probes.append(read_bandwidth_probes(services, repeats=3, buffer=buffer))  # just before run k
+            take_probes()  # just before run k
         [out] = llm.generate(prompt, params)
         if i == 0:
             continue  # warm-up
         decode.append(out.metrics.decode_tokens_per_s)
         ttft.append(out.metrics.time_to_first_token)
-    probes.append(read_bandwidth_probes(services, repeats=3, buffer=buffer))
-    adjacent = [max(*probes[k].values(), *probes[k + 1].values()) for k in range(len(decode))]
+    take_probes()
+    adjacent = _adjacent_best(probes)
     pct = [100 * d * weights / (gbps * 1e9) for d, gbps in zip(decode, adjacent, strict=True)]
     best = {name: max(p[name] for p in probes) for name in probes[0]}
+    stream_adjacent = _adjacent_best(streams)
+    stream_pct = [100 * d * weights / (gbps * 1e9) for d, gbps in zip(decode, stream_adjacent, strict=True)]
+    stream_best = {name: max(p[name] for p in streams) for name in streams[0]}
     decode_tok_s = statistics.median(decode)
     return {
         "backend": backend,
@@ -75,62 +91,16 @@ def measure_latency(llm: Any, input_len: int, output_len: int, iters: int) -> di
         "read_probe_gbps_runs": [round(g, 1) for g in adjacent],
         "bandwidth_limit_tok_s": round(max(best.values()) * 1e9 / weights, 1),
         "pct_of_bandwidth_limit": round(statistics.median(pct), 1),
+        "weight_stream_gbps": {k: round(v, 1) for k, v in stream_best.items()},
+        "weight_stream_gbps_runs": [round(g, 1) for g in stream_adjacent],
+        "weight_stream_tok_s": round(max(stream_best.values()) * 1e9 / weights, 1),
+        "pct_of_weight_stream": round(statistics.median(stream_pct), 1),
     }
 
 
-def weight_bytes_per_token(model: Any) -> int:
-    """Bytes of weights a batch-1 decode step must read: every linear weight (dense or quantized
-    blocks) once; the embedding contributes one row, so it is left out."""
-    from plinth.model.layers import Linear
-
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight is not None:
-            w = module.weight
-            tensors = [w.weight, w.bias, *w.data.values()]
-            total += sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
-    return total
-
-
-#: Bytes each read-bandwidth probe reads.
-PROBE_BYTES = 256 << 20
-
-
-def read_bandwidth_probes(
-    services: DeviceServices, nbytes: int = PROBE_BYTES, repeats: int = 5, buffer: Any = None
-) -> dict[str, float]:
-    """GB/s of reading ``nbytes`` (best of ``repeats``) by each of the backend's read probes
-    (:meth:`~plinth.platform.backend.DeviceServices.read_probes`: torch's ``sum``, and the loads the
-    backend's own GEMV makes where it offers them). The largest is the limit decode is held to.
-    ``buffer`` (fp32 on the services' device, a multiple of 4096 floats) is read instead of a fresh
-    ``nbytes`` one, so repeated probes do not allocate and fault in 256 MB each."""
-    x = buffer if buffer is not None else probe_buffer(services, nbytes)
-    nbytes = x.numel() * 4
-    results = {}
-    for name, probe in services.read_probes().items():
-
-        def read(probe: Callable[[Any], object] = probe) -> None:
-            probe(x)
-            services.synchronize()  # an accelerator's read has finished when the clock stops
-
-        read()
-        best = min(_timed(read) for _ in range(repeats))
-        results[name] = nbytes / best / 1e9
-    return results
-
-
-def probe_buffer(services: DeviceServices, nbytes: int = PROBE_BYTES) -> Any:
-    """An fp32 buffer of ``nbytes`` (rounded down to 4096 floats) on the services' device, written
-    once, for :func:`read_bandwidth_probes`."""
-    import torch
-
-    return torch.ones(nbytes // 4 // 4096 * 4096, dtype=torch.float32, device=services.device)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def _adjacent_best(probes: list[dict[str, float]]) -> list[float]:
+    """For run k (between probes k and k + 1): the best figure of either."""
+    return [max(*probes[k].values(), *probes[k + 1].values()) for k in range(len(probes) - 1)]
 
 
 #: Phases of a cold start, in order: process start to interpreter ready, imports (torch, the
@@ -204,6 +174,10 @@ def run_bench_latency(args: argparse.Namespace) -> int:
         f"decode reaches {result['pct_of_bandwidth_limit']:.0f}% of the limit (median of the runs "
         f"{result['decode_tok_s_runs']} tok/s, each against the probes just before and after it: "
         f"{result['read_probe_gbps_runs']} GB/s)"
+        f"\n  streaming the model's own linear weights in place (whole passes, the same probes): up to "
+        f"{max(result['weight_stream_gbps'].values()):.1f} GB/s (probes {result['weight_stream_gbps']}) -> limit "
+        f"{result['weight_stream_tok_s']:.1f} tok/s; decode reaches {result['pct_of_weight_stream']:.0f}% of it "
+        f"(each run against the passes just before and after it: {result['weight_stream_gbps_runs']} GB/s)"
     )
     if "spec_acceptance_rate" in result:
         line += (

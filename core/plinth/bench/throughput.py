@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from plinth.bench import output_path
-from plinth.bench.datasets import BenchRequest, sharegpt, synthetic
+from plinth.bench.datasets import BenchRequest, sharegpt, synthetic, with_fresh_ids
 from plinth.engine_args import add_engine_arguments, add_kv_cache_prefault_argument, engine_options, positive_int
 
 
@@ -18,6 +18,13 @@ def add_bench_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=64, help="requests in the workload")
     p.add_argument("--dataset", default=None, help="ShareGPT-format JSON (default: synthetic, seed 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument(
+        "--passes",
+        type=positive_int,
+        default=1,
+        help="run the workload N times in the same engine (passes after the first: the same lengths, fresh "
+        "prompt ids, so the prefix cache saves none of their work); the top-level figures are the first pass's",
+    )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in one step at most")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, help="token budget of one step")
     add_kv_cache_prefault_argument(p)
@@ -75,6 +82,30 @@ def run_throughput(llm: Any, requests: list[BenchRequest], progress: bool = True
     }
 
 
+def pass_workloads(requests: list[BenchRequest], passes: int, vocab_size: int, seed: int) -> list[list[BenchRequest]]:
+    """``passes`` workloads of the same work: ``requests``, then for pass k >= 2 the same lengths with
+    prompt ids drawn from the seed ``"{seed}/pass{k}"`` (:func:`~plinth.bench.datasets.with_fresh_ids`)."""
+    return [requests] + [with_fresh_ids(requests, vocab_size, f"{seed}/pass{k}") for k in range(2, passes + 1)]
+
+
+def run_passes(llm: Any, workloads: list[list[BenchRequest]], progress: bool = True) -> dict[str, Any]:
+    """:func:`run_throughput` on each workload in turn, in the same engine: the first pass's result,
+    with every pass's output tok/s, time and prefix-cache hits (``passes_*``) added. A later pass
+    faster than the first by more than the noise is start-up work the first one paid for (warm-up)."""
+    sched = llm.engine.scheduler
+    results, hits = [], []
+    for requests in workloads:
+        before = sched.prefix_cache_hit_tokens
+        results.append(run_throughput(llm, requests, progress=progress))
+        hits.append(sched.prefix_cache_hit_tokens - before)
+    return {
+        **results[0],
+        "passes_output_tok_s": [r["output_tok_s"] for r in results],
+        "passes_elapsed_s": [r["elapsed_s"] for r in results],
+        "passes_prefix_cache_hit_tokens": hits,
+    }
+
+
 def run_bench_throughput(args: argparse.Namespace) -> int:
     """Entry point of ``plinth bench throughput``."""
     from plinth.llm import LLM
@@ -84,7 +115,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         requests = sharegpt(args.dataset, llm.tokenizer, args.num_prompts)
     else:
         requests = synthetic(args.num_prompts, llm.engine.model_config.vocab_size, seed=args.seed)
-    result = run_throughput(llm, requests, progress=not args.no_progress)
+    workloads = pass_workloads(requests, args.passes, llm.engine.model_config.vocab_size, args.seed)
+    result = run_passes(llm, workloads, progress=not args.no_progress)
     if llm.engine.config.num_speculative_tokens:
         from plinth.bench.speculative import spec_summary
 
@@ -95,6 +127,14 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         f"{result['total_tok_s']:.1f} total tok/s, KV waste {result['kv_waste_pct']:.1f}%, "
         f"{result['preemptions']} preemptions"
     )
+    if args.passes > 1:
+        tok_s = result["passes_output_tok_s"]
+        print(
+            "  output tok/s by pass: "
+            + ", ".join(f"{t:.1f}" for t in tok_s)
+            + f" (pass 1 is {100 * tok_s[0] / tok_s[1]:.1f}% of pass 2; prefix-cache hit tokens by pass: "
+            f"{result['passes_prefix_cache_hit_tokens']})"
+        )
     if "spec_acceptance_rate" in result:
         print(
             f"  speculative decoding: {100 * result['spec_acceptance_rate']:.0f}% of {result['spec_draft_tokens']} "

@@ -969,12 +969,15 @@ class DeviceServices:
         torch.set_num_threads(n)
 
     def read_probes(self) -> dict[str, Callable[[torch.Tensor], object]]:
-        """Ways to stream-read device memory, by name, for ``plinth bench latency``'s bandwidth limit.
+        """Ways to stream-read device memory, by name, for ``plinth bench latency``'s bandwidth limits.
 
         Each callable reads every element of one fp32 tensor on :attr:`device` (contiguous, ``numel`` a
-        multiple of 4096) once; the bench times each (calling :meth:`synchronize` after it) and holds
-        batch-1 decode to the fastest, the read bandwidth a bandwidth-bound GEMV could reach. The
-        default is torch's ``sum``; a backend adds the loads its own GEMV kernel makes.
+        multiple of 4096) once, and writes nothing to it; the bench times each (calling
+        :meth:`synchronize` after it) and holds batch-1 decode to the fastest, the read bandwidth a
+        bandwidth-bound GEMV could reach. The tensor is a 256 MB buffer, or an fp32 view of a prepared
+        weight's bytes in place (any 4-byte-aligned address; whatever its dtype, the values may be
+        any bits), one after another over the whole model. The default is torch's ``sum``; a backend
+        adds the loads its own GEMV kernel makes.
 
         .. versionadded:: 1.4
         """

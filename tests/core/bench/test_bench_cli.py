@@ -31,6 +31,9 @@ def _closed_port() -> int:
         (["bench", "throughput", "--json", "."], "'.' is a directory; name a file"),
         (["bench", "latency", "--output-len", "1"], "argument --output-len: must be at least 2"),
         (["bench", "latency", "--iters", "0"], "argument --iters: must be at least 1"),
+        (["bench", "throughput", "--passes", "0"], "argument --passes: must be at least 1"),
+        (["bench", "prefill", "--input-len", "0"], "argument --input-len: must be at least 1"),
+        (["bench", "prefill", "--json", "."], "'.' is a directory; name a file"),
         (["bench", "speculative", "--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
         (
             ["bench", "latency", "--num-speculative-tokens", "-1"],

@@ -10,7 +10,7 @@ import pytest
 
 from plinth.bench.datasets import sharegpt, synthetic
 from plinth.bench.latency import COLD_START_PHASES, measure_cold_start, measure_latency
-from plinth.bench.throughput import run_throughput
+from plinth.bench.throughput import pass_workloads, run_passes, run_throughput
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "runtime" / "engine"))
 
@@ -67,6 +67,52 @@ def test_throughput_and_latency_on_a_tiny_model(tmp_path: Path) -> None:
     assert max(lat["read_probe_gbps_runs"]) == pytest.approx(max(lat["read_probe_gbps"].values()), abs=0.1)
     assert all(0 < g <= max(lat["read_probe_gbps"].values()) for g in lat["read_probe_gbps_runs"])
     assert lat["pct_of_bandwidth_limit"] > 0
+    # the model's own weights, streamed in place around each run: a limit of their own
+    assert len(lat["weight_stream_gbps_runs"]) == 2 and set(lat["weight_stream_gbps"]) == set(lat["read_probe_gbps"])
+    best_stream = max(lat["weight_stream_gbps"].values())
+    assert max(lat["weight_stream_gbps_runs"]) == pytest.approx(best_stream, abs=0.1)
+    limit = best_stream * 1e9 / (lat["weight_mb_per_token"] * 1e6)
+    assert lat["weight_stream_tok_s"] == pytest.approx(limit, rel=0.02) and lat["weight_stream_tok_s"] > 0
+    assert lat["pct_of_weight_stream"] > 0
+
+
+def test_later_passes_do_the_same_work_on_fresh_prompts(tmp_path: Path) -> None:
+    from engine_helpers import save_tiny_folder
+
+    from plinth import LLM
+
+    requests = synthetic(5, vocab_size=49152, seed=0, prompt_range=(16, 64), output_range=(4, 12))
+    workloads = pass_workloads(requests, 3, vocab_size=49152, seed=0)
+    assert workloads[0] == requests and pass_workloads(requests, 3, 49152, seed=0) == workloads  # fixed
+    lengths = [(len(r.prompt_ids), r.output_len) for r in requests]
+    for later in workloads[1:]:
+        assert [(len(r.prompt_ids), r.output_len) for r in later] == lengths
+        assert all(a.prompt_ids[:4] != b.prompt_ids[:4] for a, b in zip(later, requests, strict=True))
+        assert all(256 <= i < 49152 for r in later for i in r.prompt_ids)
+    assert workloads[1] != workloads[2]
+
+    save_tiny_folder("llama", tmp_path)
+    llm = LLM(model=str(tmp_path), backend="cpu", num_kv_blocks=128, block_size=16)
+    result = run_passes(llm, workloads[:2], progress=False)
+    assert len(result["passes_output_tok_s"]) == len(result["passes_elapsed_s"]) == 2
+    assert result["output_tok_s"] == result["passes_output_tok_s"][0] > 0 and result["passes_output_tok_s"][1] > 0
+    assert result["passes_prefix_cache_hit_tokens"] == [0, 0]  # pass 2 prefilled every prompt again
+    again = run_passes(llm, workloads[:1], progress=False)  # the same prompts once more: cached
+    assert again["passes_prefix_cache_hit_tokens"][0] > 0
+
+
+def test_bench_throughput_passes_end_to_end(tmp_path: Path) -> None:
+    from engine_helpers import save_tiny_folder
+
+    from plinth.cli import main
+
+    save_tiny_folder("llama", tmp_path / "model")
+    out = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", str(tmp_path / "model"), "--backend", "cpu", "--num-prompts", "3"]
+    assert main([*argv, "--passes", "2", "--no-progress", "--no-kv-cache-prefault", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["passes_output_tok_s"]) == 2 and result["passes_prefix_cache_hit_tokens"] == [0, 0]
+    assert result["output_tok_s"] == result["passes_output_tok_s"][0]
 
 
 def test_cold_start_is_process_start_to_first_token_with_its_phases(tmp_path: Path) -> None:
