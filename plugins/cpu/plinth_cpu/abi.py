@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -106,7 +106,7 @@ FUNCTIONS: dict[str, CFunction] = {
         3,
         "M",
     ),  # fmt: skip
-    "plinth_dequant": CFunction("void", "int fmt, const void *w, float *out, int64_t N, int64_t K", 4),
+    "plinth_dequant": CFunction("int", "int fmt, const void *w, void *out, int dt, int64_t N, int64_t K", 4),
     "plinth_dequant_panels": CFunction("int", "int fmt, const void *w, float *P, int64_t N, int64_t K", 12),
     "plinth_rms_norm": CFunction(
         "void",

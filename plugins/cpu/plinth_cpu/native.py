@@ -371,11 +371,24 @@ class NativeKernels:
             raise MemoryError("no memory for dequantized weight rows")
         return y
 
-    def dequant(self, fmt: str, blocks: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp32 [n, k] values of a ggml ``fmt`` weight."""
+    def dequant(
+        self,
+        fmt: str,
+        blocks: torch.Tensor,
+        n: int,
+        k: int,
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The [n, k] values of a ggml ``fmt`` weight in ``dtype``: fp32, or bf16/fp16 (the fp32 values
+        rounded as ``Tensor.to`` rounds them). ``out``: a contiguous ``[n, k]`` tensor of ``dtype``."""
+        kind = ELEMENT_TYPES.get(dtype)
+        if kind is None:
+            raise ValueError(f"dequantizes to {sorted(map(str, ELEMENT_TYPES))}, not {dtype}")
         if out is None:
-            out = torch.empty(n, k, dtype=torch.float32)
-        self.lib.plinth_dequant(BLOCK_LAYOUTS[fmt], blocks.data_ptr(), out.data_ptr(), n, k)
+            out = torch.empty(n, k, dtype=dtype)
+        if self.lib.plinth_dequant(BLOCK_LAYOUTS[fmt], blocks.data_ptr(), out.data_ptr(), kind, n, k):
+            raise MemoryError(f"no memory to dequantize a {n} x {k} weight")
         return out
 
     def round_trip_q8(self, x: torch.Tensor) -> torch.Tensor:

@@ -344,6 +344,58 @@ def test_dequant_matches_reference(nk: NativeKernels, fmt: str) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1x4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dequant_to_16_bits_rounds_as_torch(nk: NativeKernels, threads: int, fmt: str, dtype: torch.dtype) -> None:
+    """Dequantized into a 16-bit tensor: the fp32 values rounded as ``Tensor.to`` rounds, bit for bit
+    (fp16 scales times nibbles are rarely bf16 numbers: most values round)."""
+    gen = torch.Generator().manual_seed(4)
+    n, k = 22, 128
+    qw = _q4_1(n, k, gen) if fmt != "q8_0" else quantize_q8_0(torch.randn(n, k, generator=gen))
+    blocks = nk.pack_q4_1x4(qw.blocks, n, k) if fmt == "q4_1x4" else qw.blocks
+    want = dequantize(qw).to(dtype)
+    got = nk.dequant(fmt, blocks, n, k, dtype=dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert not torch.equal(got.float(), dequantize(qw))  # rounding happened
+    with pytest.raises(ValueError, match="not torch.float64"):
+        nk.dequant(fmt, blocks, n, k, dtype=torch.float64)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_quantized_batched_products_in_bf16(nk: NativeKernels, threads: int, fmt: str) -> None:
+    """``quant_batched="bf16"``: from QUANT_BF16_MIN_ROWS rows a quantized product is torch's bf16
+    ``F.linear`` of the bf16-rounded activations and dequantized weight, widened, plus the fp32 bias
+    (bit for bit); below, the fp32 paths' result exactly; within bf16 rounding of the fp32 product."""
+    gen = torch.Generator().manual_seed(8)
+    n, k = 70, 192
+    qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
+    bias = torch.randn(n, generator=gen)
+    g16, g32 = NativeGemm(torch.float32, nk, quant_batched="bf16"), NativeGemm(torch.float32, nk, quant_batched="fp32")
+    w16, w32 = g16.prepare_quantized(qw, bias), g32.prepare_quantized(qw, bias)
+    for m in (gemm_mod.QUANT_BF16_MIN_ROWS, 100):
+        x = torch.randn(m, k, generator=gen)
+        got = g16.linear(x, w16)
+        want = F.linear(x.to(torch.bfloat16), dequantize(qw).to(torch.bfloat16)).float() + bias
+        assert torch.equal(got, want)
+        ref = g32.linear(x, w32)
+        assert (got - ref).abs().max() < 0.01 * ref.abs().max()  # bf16 rounding, relative to the outputs' scale
+    small = torch.randn(gemm_mod.QUANT_BF16_MIN_ROWS - 1, k, generator=gen)
+    assert torch.equal(g16.linear(small, w16), g32.linear(small, w32))
+
+
+@needs_native
+def test_quantized_batched_mode_from_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PLINTH_CPU_QUANT_BATCHED", raising=False)
+    assert NativeGemm(torch.float32, nk).quant_batched == "fp32"
+    monkeypatch.setenv("PLINTH_CPU_QUANT_BATCHED", "bf16")
+    assert NativeGemm(torch.float32, nk).quant_batched == "bf16"
+    monkeypatch.setenv("PLINTH_CPU_QUANT_BATCHED", "int8")
+    with pytest.raises(ValueError, match="PLINTH_CPU_QUANT_BATCHED='int8'"):
+        NativeGemm(torch.float32, nk)
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_dequant_panels_match_packed_reference(nk: NativeKernels, threads: int, fmt: str) -> None:
     """Dequantized straight into panels: the panels of the dequantized weight (19 rows: a partial

@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 14
+#define PLINTH_ABI_VERSION 15
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -28,7 +28,7 @@ int64_t plinth_q4_1x4_bytes(int64_t N, int64_t K);
 void plinth_pack_q4_1x4(const void *w, void *out, int64_t N, int64_t K);
 void plinth_round_trip_q8(const float *x, float *out, int64_t M, int64_t K);
 int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
-void plinth_dequant(int fmt, const void *w, float *out, int64_t N, int64_t K);
+int plinth_dequant(int fmt, const void *w, void *out, int dt, int64_t N, int64_t K);
 int plinth_dequant_panels(int fmt, const void *w, float *P, int64_t N, int64_t K);
 void plinth_rms_norm(int dt, const void *x, void *residual, const void *w, void *out, int64_t T, int64_t H, float eps);
 void plinth_rms_norm_heads(int dt, const void *x, int64_t sx, const void *w, void *out, int64_t T, int64_t Hh, int64_t D, float eps);
@@ -95,8 +95,7 @@ static int run_op(const plinth_op *op) {
     case OP_GEMM_DEQUANT:
         return plinth_gemm_dequant((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7]) != 0;
     case OP_DEQUANT:
-        plinth_dequant((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (int64_t)op->a[3], (int64_t)op->a[4]);
-        return 0;
+        return plinth_dequant((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (int)op->a[3], (int64_t)op->a[4], (int64_t)op->a[5]) != 0;
     case OP_ROUND_TRIP_Q8:
         plinth_round_trip_q8((void *)(intptr_t)op->a[0], (void *)(intptr_t)op->a[1], (int64_t)op->a[2], (int64_t)op->a[3]);
         return 0;

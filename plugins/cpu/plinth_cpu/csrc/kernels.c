@@ -1804,10 +1804,44 @@ int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bia
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
-/* Dequantize an [N, K] weight into out [N, K] fp32. */
-void plinth_dequant(int fmt, const void *w, float *out, int64_t N, int64_t K) {
-    dequant_ctx c = {fmt, (const char *)w, out, K, K / QK, fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)};
-    parallel_for(dequant_range, &c, N, grain_for(N, 16));
+typedef struct {
+    dequant_ctx d;
+    void *out; /* [N, K] of kind dt */
+    int dt;
+    _Atomic int failed;
+} dequant16_ctx;
+
+/* rows dequantized one at a time into a thread's fp32 scratch, then rounded to 16 bits (as torch
+ * rounds: the fp32 values' cast) */
+static void dequant16_range(void *p, int64_t begin, int64_t end) {
+    dequant16_ctx *c = (dequant16_ctx *)p;
+    int64_t K = c->d.K;
+    float *buf = pack_buffer((size_t)K);
+    if (!buf) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    dequant_ctx d = c->d;
+    for (int64_t n = begin; n < end; n++) {
+        d.out = buf - n * K; /* dequant_range writes row n at out + n * K */
+        dequant_range(&d, n, n + 1);
+        void *row = (char *)c->out + (size_t)(n * K) * wsize(c->dt);
+        for (int64_t k = 0; k < K; k += 8) store8w(row, k, _mm256_loadu_ps(buf + k), c->dt);
+    }
+}
+
+/* Dequantize an [N, K] weight into out [N, K] of element kind dt: fp32 (W_F32), or the fp32 values
+ * rounded to bf16/fp16 (W_BF16/W_F16). Returns 0, or -1 for another kind or when out of memory. */
+int plinth_dequant(int fmt, const void *w, void *out, int dt, int64_t N, int64_t K) {
+    dequant_ctx c = {fmt, (const char *)w, (float *)out, K, K / QK, fmt == 0 ? sizeof(block_q4_1) : sizeof(block_q8_0)};
+    if (dt == W_F32) {
+        parallel_for(dequant_range, &c, N, grain_for(N, 16));
+        return 0;
+    }
+    if (dt != W_BF16 && dt != W_F16) return -1;
+    dequant16_ctx c16 = {c, out, dt, 0};
+    parallel_for(dequant16_range, &c16, N, grain_for(N, 16));
+    return atomic_load(&c16.failed) ? -1 : 0;
 }
 
 typedef struct {
