@@ -82,7 +82,8 @@ def measure_prefill(llm: Any, input_len: int, num_prompts: int, iters: int) -> d
     """Prefill tok/s: ``num_prompts`` prompts of ``input_len`` fresh random ids (no prefix-cache hit)
     submitted at once, one token each, timed around ``generate``; the median of ``iters`` runs after
     one warm-up. Then, in the same process, the GEMM peak of the backend's device in bf16 and fp32
-    (:func:`~plinth.bench.roofline.gemm_peak` over a 2048-cube and the model's own prefill shapes)
+    (:func:`~plinth.bench.roofline.gemm_peak` over a 2048-cube and the model's own prefill shapes, by
+    torch and by the backend's own GEMM kernels)
     and the share of each peak the prefill's FLOPs (:func:`prefill_flops`) reached."""
     import random
 
@@ -108,7 +109,7 @@ def measure_prefill(llm: Any, input_len: int, num_prompts: int, iters: int) -> d
     flops = prefill_flops(counts, input_len)
     achieved = num_prompts * flops / elapsed / 1e9
     step_rows = min(tokens, engine.config.max_num_batched_tokens)  # rows of a full prefill step
-    peaks = gemm_peak(services, [PEAK_SQUARE, *prefill_gemm_shapes(engine.model, step_rows)])
+    peaks = gemm_peak(services, [PEAK_SQUARE, *prefill_gemm_shapes(engine.model, step_rows)], backend=engine.backend)
     peak = {dtype: max(figures.values()) for dtype, figures in peaks.items()}
     return {
         "backend": engine.backend.name,
@@ -140,7 +141,8 @@ def run_bench_prefill(args: argparse.Namespace) -> int:
         f"{result['backend']} ({result['dtype']}): prefill {result['prefill_tok_s']:.1f} tok/s "
         f"({args.num_prompts} prompts of {args.input_len} tokens, median of {result['prefill_tok_s_runs']}), "
         f"{result['flops_per_prompt'] / 1e9:.2f} GFLOP per prompt -> {result['gflops']:.1f} GFLOP/s\n"
-        f"  GEMM peak (torch F.linear, same process, best shape): bf16 {peak['bfloat16']:.1f} GFLOP/s, fp32 "
+        f"  GEMM peak (torch F.linear or the backend's GEMM kernels, same process, best shape): "
+        f"bf16 {peak['bfloat16']:.1f} GFLOP/s, fp32 "
         f"{peak['float32']:.1f} GFLOP/s; prefill reaches {result['pct_of_bf16_peak']:.0f}% of the bf16 peak, "
         f"{result['pct_of_fp32_peak']:.0f}% of the fp32 peak (by shape: {result['gemm_peak_shapes_gflops']})"
     )

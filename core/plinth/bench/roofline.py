@@ -5,6 +5,7 @@ cache holds much of the model), and the device's GEMM peak (what prefill is comp
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from plinth.platform.backend import DeviceServices
+    from plinth.platform.backend import Backend, DeviceServices
 
 #: Bytes each read-bandwidth probe reads: far beyond any last-level cache.
 PROBE_BYTES = 256 << 20
@@ -156,35 +157,55 @@ def gemm_peak(
     dtypes: Sequence[str] = ("bfloat16", "float32"),
     repeats: int = 5,
     budget_s: float = 3.0,
+    backend: Backend | None = None,
 ) -> dict[str, dict[str, float]]:
     """GFLOP/s of torch's ``F.linear`` (``x`` [M, K] times ``w`` [N, K] transposed) for each
     ``(M, K, N)`` of ``shapes`` in each dtype, on the services' device with the threads the engine set:
     the best of ``repeats`` calls after one warm-up (fewer when a shape's calls pass ``budget_s``: a
-    dtype without hardware support runs slowly). ``{dtype: {"MxKxN": GFLOP/s}}``; a dtype's peak is its
-    largest figure."""
+    dtype without hardware support runs slowly). With ``backend``, also its own GEMM kernels for each
+    dtype it offers (:meth:`~plinth.platform.backend.Backend.gemm_kernels`, the weight prepared once
+    as a model's is), under ``"MxKxN <backend name>"``: torch is not always the faster (on the cpu
+    backend's fp32, its panel kernels are). ``{dtype: {"MxKxN": GFLOP/s, ...}}``; a dtype's peak is
+    its largest figure."""
     import torch
     import torch.nn.functional as F
+
+    from plinth.platform.backend import NotSupported
 
     results: dict[str, dict[str, float]] = {}
     for dtype in dtypes:
         figures = results.setdefault(dtype, {})
+        try:
+            gemm = backend.gemm_kernels(dtype) if backend is not None else None
+        except NotSupported:
+            gemm = None
         for m, k, n in shapes:
             x = torch.randn(m, k, device=services.device).to(getattr(torch, dtype))
             w = torch.randn(n, k, device=services.device).to(getattr(torch, dtype))
-
-            def call(x: torch.Tensor = x, w: torch.Tensor = w) -> None:
-                F.linear(x, w)
-                services.synchronize()
-
-            call()
-            best, spent = float("inf"), 0.0
-            for _ in range(repeats):
-                t = _timed(call)
-                best, spent = min(best, t), spent + t
-                if spent > budget_s:
-                    break
-            figures[f"{m}x{k}x{n}"] = 2 * m * k * n / best / 1e9
+            calls: dict[str, Callable[[], object]] = {f"{m}x{k}x{n}": functools.partial(F.linear, x, w)}
+            if gemm is not None and backend is not None:
+                calls[f"{m}x{k}x{n} {backend.name}"] = functools.partial(gemm.linear, x, gemm.prepare(w, None))
+            for name, fn in calls.items():
+                figures[name] = 2 * m * k * n / _best(fn, services, repeats, budget_s) / 1e9
     return results
+
+
+def _best(fn: Callable[[], object], services: DeviceServices, repeats: int, budget_s: float) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` (each synchronized) after one warm-up; fewer once
+    they have taken ``budget_s`` in all."""
+
+    def call() -> None:
+        fn()
+        services.synchronize()
+
+    call()
+    best, spent = float("inf"), 0.0
+    for _ in range(repeats):
+        t = _timed(call)
+        best, spent = min(best, t), spent + t
+        if spent > budget_s:
+            break
+    return best
 
 
 def _timed(fn: Callable[[], object]) -> float:

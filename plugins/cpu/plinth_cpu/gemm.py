@@ -154,6 +154,16 @@ def _torch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
 _COPY_STRIDED = frozenset({torch.bfloat16, torch.float16})
 
 
+def _mode(name: str, given: str | None, env: str, modes: tuple[str, ...]) -> str:
+    """``given``, else ``$env``, else the first of ``modes``; a value not in ``modes`` is refused,
+    naming where it came from."""
+    value = os.environ.get(env, modes[0]) if given is None else given
+    if value not in modes:
+        where = f"{env}={value!r}" if given is None else f"{name}={value!r}"
+        raise ValueError(f"{where}: expected one of {', '.join(modes)}")
+    return value
+
+
 class NativeGemm(CpuGemm):
     """:class:`CpuGemm` with the native kernels: fp32 weights in panels, q4_1/q8_0 blocks kept.
 
@@ -169,27 +179,11 @@ class NativeGemm(CpuGemm):
     ) -> None:
         super().__init__(dtype)
         self.native = native
-        if quant_batched is None:
-            quant_batched = os.environ.get(QUANT_BATCHED_ENV, "fp32")
-            where = f"{QUANT_BATCHED_ENV}={quant_batched!r}"
-        else:
-            where = f"quant_batched={quant_batched!r}"
-        if quant_batched not in QUANT_BATCHED_MODES:
-            raise ValueError(f"{where}: expected one of {', '.join(QUANT_BATCHED_MODES)}")
-        self.quant_batched = quant_batched
+        self.quant_batched = _mode("quant_batched", quant_batched, QUANT_BATCHED_ENV, QUANT_BATCHED_MODES)
         self._scratch16: torch.Tensor | None = None  # a bf16-dequantized weight of a batched product
-        if activations is None:
-            activations = os.environ.get(ACTIVATIONS_ENV, "int16")
-            where = f"{ACTIVATIONS_ENV}={activations!r}"
-        else:
-            where = f"activations={activations!r}"
-        if activations not in ACTIVATION_MODES:
-            raise ValueError(f"{where}: expected one of {', '.join(ACTIVATION_MODES)}")
-        self.activations = activations
+        self.activations = activations = _mode("activations", activations, ACTIVATIONS_ENV, ACTIVATION_MODES)
         # int16 activations take q4_1 weights in 4-row groups (NativeKernels.pack_q4_1x4) where that pays
-        groups = os.environ.get(GROUPS_ENV, "auto")
-        if groups not in GROUPS_MODES:
-            raise ValueError(f"{GROUPS_ENV}={groups!r}: expected one of {', '.join(GROUPS_MODES)}")
+        groups = _mode("groups", None, GROUPS_ENV, GROUPS_MODES)
         wanted = native.variant.name == "avx512" if groups == "auto" else groups == "1"
         self.group_q4_1 = activations == "int16" and wanted
         rows16 = os.environ.get(ROWS16_ENV)

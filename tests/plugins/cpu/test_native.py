@@ -325,14 +325,23 @@ def test_q4_1_groups_follow_the_build_and_the_environment(nk: NativeKernels, mon
 
 
 @needs_native
-def test_activation_mode_from_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PLINTH_CPU_ACTIVATIONS", raising=False)
-    assert NativeGemm(torch.float32, nk).activations == "int16"
-    monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "int8")
-    assert NativeGemm(torch.float32, nk).activations == "int8"
-    monkeypatch.setenv("PLINTH_CPU_ACTIVATIONS", "fp16")
-    with pytest.raises(ValueError, match="PLINTH_CPU_ACTIVATIONS='fp16'"):
+@pytest.mark.parametrize(
+    "env,attr,default,other,bad",
+    [("PLINTH_CPU_ACTIVATIONS", "activations", "int16", "int8", "fp16"),
+     ("PLINTH_CPU_QUANT_BATCHED", "quant_batched", "fp32", "bf16", "int8")],
+)  # fmt: skip
+def test_gemm_modes_from_the_environment(
+    nk: NativeKernels, monkeypatch: pytest.MonkeyPatch, env: str, attr: str, default: str, other: str, bad: str
+) -> None:
+    monkeypatch.delenv(env, raising=False)
+    assert getattr(NativeGemm(torch.float32, nk), attr) == default
+    monkeypatch.setenv(env, other)
+    assert getattr(NativeGemm(torch.float32, nk), attr) == other
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=f"{env}='{bad}'"):
         NativeGemm(torch.float32, nk)
+    with pytest.raises(ValueError, match=f"{attr}='{bad}'"):
+        NativeGemm(torch.float32, nk, **{attr: bad})
 
 
 @needs_native
@@ -382,17 +391,6 @@ def test_quantized_batched_products_in_bf16(nk: NativeKernels, threads: int, fmt
         assert (got - ref).abs().max() < 0.01 * ref.abs().max()  # bf16 rounding, relative to the outputs' scale
     small = torch.randn(gemm_mod.QUANT_BF16_MIN_ROWS - 1, k, generator=gen)
     assert torch.equal(g16.linear(small, w16), g32.linear(small, w32))
-
-
-@needs_native
-def test_quantized_batched_mode_from_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PLINTH_CPU_QUANT_BATCHED", raising=False)
-    assert NativeGemm(torch.float32, nk).quant_batched == "fp32"
-    monkeypatch.setenv("PLINTH_CPU_QUANT_BATCHED", "bf16")
-    assert NativeGemm(torch.float32, nk).quant_batched == "bf16"
-    monkeypatch.setenv("PLINTH_CPU_QUANT_BATCHED", "int8")
-    with pytest.raises(ValueError, match="PLINTH_CPU_QUANT_BATCHED='int8'"):
-        NativeGemm(torch.float32, nk)
 
 
 @needs_native

@@ -2436,10 +2436,10 @@ int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cach
 }
 
 /* ---- prefill attention in tiles (head sizes a multiple of 16) ----
- * A chunk's query rows attend in tiles of up to tile_rows rows and one kv head: the tile's M = rows x
- * group query vectors are the columns of a small GEMM against each block of 16 keys, so every key
- * and value element loaded from a page serves all M of them from a register (the 4-row path above
- * serves one query vector per load). Lane m of a 16-wide unit is query vector m (row m / group,
+ * A chunk's query rows attend in tiles of up to tile_rows_for(group) rows and one kv head: the
+ * tile's M = rows x group query vectors are the columns of a small GEMM against each block of 16
+ * keys, so every key and value element loaded from a page serves all M of them from a register (the
+ * 4-row path above serves one query vector per load). Lane m of a 16-wide unit is query vector m (row m / group,
  * head m % group); the queries are transposed once per tile ([D][Mp], Mp = M rounded up to 16),
  * so a score is a broadcast key element times a vector of queries, and the softmax runs down the
  * lanes (one row's running max and sum per lane: no horizontal reductions). Per block of keys:
@@ -2452,7 +2452,7 @@ int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cach
  * same values. */
 #define FT_KEYS 16
 #define FT_MAX_ROWS 32 /* rows of a tile at most (4 with the largest groups: 64 query vectors) */
-#ifndef FT_MIN_VECTORS
+#ifndef FT_MIN_VECTORS /* (-D...: to measure another) */
 #define FT_MIN_VECTORS 24 /* a chunk of fewer query vectors (rows x group) takes the 4-row path */
 #endif
 
@@ -2567,7 +2567,7 @@ static inline __attribute__((always_inline)) v16 v16_loadw(const void *P, int64_
 typedef struct {
     float *qt;            /* [D][Mp] the queries, transposed (lanes past M zero) */
     float *s;             /* [FT_KEYS][Mp] a block's scores, then its probabilities */
-    float *o;             /* [M][D] the running weighted sums of values */
+    float *o;             /* [Mp][D] the queries gathered (for the transpose), then the M running weighted sums */
     float *kb, *vb;       /* [FT_KEYS][D] a block's keys and values, widened or gathered */
     float *mx, *l, *alpha, *bmax; /* [Mp] each lane's running max and sum, a block's rescale and max */
     float *first, *last;  /* [Mp] each lane's visible positions (floats: exact below 2^24) */
@@ -2595,9 +2595,9 @@ typedef struct {
     float *bmax;       /* [Mp] the block's running max per lane */
 } score_args;
 
-/* s[j][lanes of `units` units from mu] for 4 keys j (k[j][d], D apart) from position pos: each the
- * FMA chain over d in order, scaled, capped, masked (-inf where the lane cannot see the key), and
- * folded into the lanes' block max; 4 x units accumulators in registers (units a constant in each
+/* s[j][lanes of `units` units from mu] for `keys` keys j (k[j][d], D apart) from position pos: each
+ * the FMA chain over d in order, scaled, capped, masked (-inf where the lane cannot see the key), and
+ * folded into the lanes' block max; keys x units accumulators in registers (both constants in each
  * inlined copy). */
 static inline __attribute__((always_inline)) void tile_scores(const score_args *a, const float *k, float *s,
                                                               int64_t pos, int64_t mu, int units, int keys) {
