@@ -731,8 +731,9 @@ def test_engine_runs_a_16bit_model_natively_in_step_graphs(
     """SmolLM2 in bf16/fp16 (``--dtype``): every decode step records into a step graph (nothing ran
     as torch ops), attention never takes the torch path, and the greedy tokens' log-probabilities
     stay near the fp32 model's while the tokens agree (the 16-bit model rounds every op's result;
-    measured at most 0.06 nats in bf16, where the first prompt's fourth token flips on a near tie,
-    and 0.015 in fp16, all 8 tokens agreeing); the first two tokens agree."""
+    measured at most 0.06 nats in bf16 and 0.015 in fp16). The tokens may part only where the fp32
+    model's top two are within that tolerance of each other (a near tie: the second prompt's second
+    token is 0.005 nats ahead of the next, and fp16 on the AVX2 paths picks the other)."""
     from plinth import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
@@ -753,8 +754,11 @@ def test_engine_runs_a_16bit_model_natively_in_step_graphs(
     assert graphs is not None and graphs.stats.captures >= 1 and graphs.stats.eager == 0
     for got, want in zip(outs, ref, strict=True):
         a, b = got.outputs[0], want.outputs[0]
-        assert a.token_ids[:2] == b.token_ids[:2] and a.logprobs is not None and b.logprobs is not None
+        assert a.logprobs is not None and b.logprobs is not None
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+        if n < len(a.token_ids):  # parted: only on a near tie of the fp32 model
+            best, second = sorted((lp for _, lp in b.logprobs[n].top), reverse=True)[:2]
+            assert best - second < within, (n, b.logprobs[n].top)
         for top, ref_top in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
             tok_a, tok_b = dict(top.top), dict(ref_top.top)
             shared = tok_a.keys() & tok_b.keys()
