@@ -25,11 +25,12 @@ rounding at most 2^-16 of the block's largest activation, which kept SmolLM2-135
 lanes, one scale load serves four rows), which the kernel reads with a third fewer instructions in
 one stream per group (with the AVX-512 build; ``PLINTH_CPU_Q4_1_GROUPS``). Multiplying fp32
 activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert every
-weight to float, and that, not memory, bounds the kernel. Many rows: each group of 3 weight rows is
-dequantized into a cache-resident buffer and multiplied with the fp32 register tiles (fp32
-activations); the dequantization is then a small share of the work. Prefill-sized products
-dequantize the whole weight into panels in a reused scratch buffer (at most a few MB per layer) and
-go through the panel kernel. With ``PLINTH_CPU_QUANT_BATCHED=bf16`` products of 32 rows or more
+weight to float, and that, not memory, bounds the kernel. More rows, on the AVX2 build up to 64:
+each group of 3 weight rows is dequantized into a cache-resident buffer and multiplied with the
+fp32 register tiles (fp32 activations); the dequantization is then a small share of the work. Above
+that (on the AVX-512 build from 17 rows: :data:`DEQUANT_ROWS_MAX_ROWS`) the whole weight is
+dequantized into panels in a reused scratch buffer (at most a few MB per layer) for the panel kernel.
+With ``PLINTH_CPU_QUANT_BATCHED=bf16`` products of 96 rows or more
 instead dequantize the weight to bf16 and run oneDNN's bf16 GEMM (AVX512-BF16 / AMX) on the
 activations rounded to bf16 (faster, less exact: see :data:`QUANT_BATCHED_ENV`). "int8" rounds
 activations to int8 per 32-block first on every path, as llama.cpp does: logits off by the rounding
@@ -90,23 +91,27 @@ def onednn_runs_bf16(flags: set[str] | None) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & (flags or set()))
 
 
-#: Quantized products up to this many rows dequantize 3 weight rows at a time (per 32-row block of
-#: activations); above, the whole weight is dequantized once into scratch.
-DEQUANT_ROWS_MAX_ROWS = 64
+#: Quantized products up to this many rows (by the native build) dequantize 3 weight rows at a time
+#: (per 32-row block of activations); above, the whole weight is dequantized once into panels in
+#: scratch for the panel kernel. Measured (Zen 5, 2 threads, 30 SmolLM2-shaped q4_1 layers out of
+#: cache, GFLOP/s 3-row / panels): AVX-512 build 17 rows 186 / 187, 24 rows 210 / 238, 32 rows 220 /
+#: 268, 64 rows 244 / 328; AVX2 build 17 rows 172 / 132, 64 rows 225 / 203, 96 rows 232 / 218.
+DEQUANT_ROWS_MAX_ROWS: dict[str, int] = {"avx512": 16, "avx2": 64}
 
 #: How a quantized weight's batched products (at least QUANT_BF16_MIN_ROWS rows) compute: "fp32"
-#: (default): the weight dequantized into fp32 (panels, or 3 rows at a time), the activations as
+#: (default): the weight dequantized into fp32 panels, the activations as
 #: given; "bf16": the weight dequantized to bf16 into scratch and the activations rounded to bf16,
 #: through torch's ``F.linear`` (oneDNN's AVX512-BF16 or AMX kernels), the bf16 product widened
 #: back. Measured on a Zen 5 (AVX512-BF16, no AMX; 2 threads): 30 SmolLM2-shaped q4_1 layers out of
-#: cache, GFLOP/s fp32 / bf16, 17 rows 126 / 114, 32 rows 158 / 190, 64 rows 196 / 301, 128 rows
-#: 321 / 434, 512 rows 396 / 621; SmolLM2-135M Q4_1 prefill (8 prompts of 512 tokens) 1.2-1.4x; a
-#: 1,932-token text's prompt log-probs off the fp32 path's by 0.032 nats on average (0.23 at most;
-#: its total log-likelihood 0.06% lower). So it is not the default there; an AMX host is unmeasured.
+#: cache, GFLOP/s fp32 panels / bf16, 96 rows 322 / 409, 128 rows 366 / 476, 256 rows 408 / 630, 512
+#: rows 431 / 716; SmolLM2-135M Q4_1 prefill (8 prompts of 512 tokens) 1.1-1.4x; a 1,932-token text's
+#: prompt log-probs off the fp32 path's by 0.032 nats on average (0.23 at most; its total
+#: log-likelihood 0.06% lower). So it is not the default there; an AMX host is unmeasured.
 QUANT_BATCHED_ENV = "PLINTH_CPU_QUANT_BATCHED"
 QUANT_BATCHED_MODES = ("fp32", "bf16")
-#: The fewest rows the "bf16" mode takes (below, the fp32 paths were faster: see above).
-QUANT_BF16_MIN_ROWS = 32
+#: The fewest rows the "bf16" mode takes: below, the fp32 panels were as fast (Zen 5, AVX-512 build, the
+#: same layers, GFLOP/s fp32 panels / bf16: 64 rows 328 / 322, 96 rows 322 / 409, 128 rows 366 / 476).
+QUANT_BF16_MIN_ROWS = 96
 
 #: Quantized products with at most this many rows use the per-block kernel.
 NATIVE_QUANT_MAX_ROWS = 16
@@ -181,6 +186,7 @@ class NativeGemm(CpuGemm):
         self.native = native
         self.quant_batched = _mode("quant_batched", quant_batched, QUANT_BATCHED_ENV, QUANT_BATCHED_MODES)
         self._scratch16: torch.Tensor | None = None  # a bf16-dequantized weight of a batched product
+        self.dequant_rows_max_rows = DEQUANT_ROWS_MAX_ROWS.get(native.variant.name, DEQUANT_ROWS_MAX_ROWS["avx2"])
         self.activations = activations = _mode("activations", activations, ACTIVATIONS_ENV, ACTIVATION_MODES)
         # int16 activations take q4_1 weights in 4-row groups (NativeKernels.pack_q4_1x4) where that pays
         groups = _mode("groups", None, GROUPS_ENV, GROUPS_MODES)
@@ -277,7 +283,7 @@ class NativeGemm(CpuGemm):
         else:  # fp32 activations, or int8 as in the few-row path
             if self.activations == "int8":
                 xf = native.round_trip_q8(xf)
-            if m <= DEQUANT_ROWS_MAX_ROWS:  # fp32 tiles on 3 rows dequantized at a time
+            if m <= self.dequant_rows_max_rows:  # fp32 tiles on 3 rows dequantized at a time
                 y = native.gemm_dequant(weight.format, xf, blocks, weight.bias, n)
             else:  # prefill-sized: the whole weight dequantized once into panels in scratch
                 k = weight.in_features

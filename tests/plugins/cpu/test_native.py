@@ -195,12 +195,13 @@ def test_pack_f32_layout(nk: NativeKernels, threads: int) -> None:
 @needs_native
 @pytest.mark.parametrize("activations", ["fp32", "int16", "int8"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3, DEQUANT_ROWS_MAX_ROWS + 5])
+@pytest.mark.parametrize("m", [1, 5, NATIVE_QUANT_MAX_ROWS + 3, 40, max(DEQUANT_ROWS_MAX_ROWS.values()) + 5])
 @pytest.mark.parametrize("k", [96, 128])  # 3 and 4 blocks a row: the AVX-512 build's pair loop and its odd block
 def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: int, activations: str) -> None:
     """fp32 activations: the dequantized weight's product. int16/int8 activations (int16 on the
-    few-row path only): within the rounding bound. On both paths (few rows: per-block kernel;
-    many: dequantized rows), and a row's result does not depend on the batch size beyond that."""
+    few-row path only): within the rounding bound. On every path (few rows: per-block kernel;
+    more: dequantized rows, or panels, from 17 rows on the AVX-512 build and 65 on AVX2), and a
+    row's result does not depend on the batch size beyond that."""
     gen = torch.Generator().manual_seed(7)
     n = 40
     qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
