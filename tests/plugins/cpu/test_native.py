@@ -512,11 +512,11 @@ CACHE_DTYPES = pytest.mark.parametrize(
 
 
 def _same_as_fp32_cache(nk: NativeKernels, spec: AttentionSpec, q: torch.Tensor, cache: torch.Tensor,
-                        meta: AttentionMetadata, got: torch.Tensor) -> None:  # fmt: skip
+                        meta: AttentionMetadata, got: torch.Tensor, scale: float = 0.17) -> None:  # fmt: skip
     """A 16-bit cache's values are fp32 values, widened exactly on load into the fp32 cache's FMA
     chains: the native kernels give the fp32 copy's result bit for bit."""
     if cache.dtype != torch.float32:
-        fp32 = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache.float(), meta, 0.17)
+        fp32 = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache.float(), meta, scale)
         assert torch.equal(got, fp32)
 
 
@@ -622,9 +622,7 @@ def test_long_prefill_chunks_attend_in_gemm_tiles(
     got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, head_size**-0.5)
     expected = CpuAttention(spec).forward(q, cache, meta, head_size**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    if cache_dtype != torch.float32:
-        fp32 = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache.float(), meta, head_size**-0.5)
-        assert torch.equal(got, fp32)
+    _same_as_fp32_cache(nk, spec, q, cache, meta, got, head_size**-0.5)
 
 
 @needs_native
