@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from plinth.platform.backend import AttentionMetadata, AttentionSpec, SmallOps
 from plinth.platform.quant import QuantizedWeight, dequantize, quantize_q8_0
+from plinth.runtime.outputs import CompletionOutput
 from plinth_cpu import gemm as gemm_mod
 from plinth_cpu import native as native_mod
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
@@ -688,6 +689,18 @@ def test_native_attention_covers_16_bit_caches() -> None:
     assert not NativeAttention.covers(AttentionSpec(9, 3, 60, 16, "float32", "bfloat16"))
 
 
+def _greedy_agreed(a: CompletionOutput, b: CompletionOutput, within: float) -> int:
+    """How many greedy tokens ``a`` shares with the reference ``b`` before they part; they may part
+    only where ``b``'s top two log-probabilities are within ``within`` of each other (a near tie that
+    rounding elsewhere may tip)."""
+    n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+    if n < len(a.token_ids):
+        assert b.logprobs is not None
+        best, second = sorted((lp for _, lp in b.logprobs[n].top), reverse=True)[:2]
+        assert best - second < within, f"token {n} parts from {b.logprobs[n].top} on no near tie"
+    return n
+
+
 @pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("kv_cache_dtype,within", [("bfloat16", 0.1), ("float16", 0.01)])
@@ -695,8 +708,9 @@ def test_engine_runs_native_attention_over_a_16_bit_cache(
     kv_cache_dtype: str, within: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SmolLM2 (fp32 compute, its q4_1 weights) over a 16-bit KV cache: the native kernels write and
-    read it (the torch fallbacks are made to fail), the greedy tokens are the fp32 cache's and the
-    log-probabilities stay close (measured: bf16 0.044 nats at most, fp16 0.004)."""
+    read it (the torch fallbacks are made to fail), the greedy tokens are the fp32 cache's up to a
+    near tie (the first prompt's ninth token, 0.018 nats ahead, on the bf16 cache) and the log-probs stay close
+    until then (measured: bf16 0.044 nats at most, fp16 0.004)."""
     from plinth import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
@@ -714,8 +728,9 @@ def test_engine_runs_native_attention_over_a_16_bit_cache(
     assert attn.spec.dtype == "float32"
     for got, want in zip(llm.generate(prompts, params), ref, strict=True):
         a, b = got.outputs[0], want.outputs[0]
-        assert a.token_ids == b.token_ids and a.logprobs is not None and b.logprobs is not None
-        for top, ref_top in zip(a.logprobs, b.logprobs, strict=True):
+        n = _greedy_agreed(a, b, within)
+        assert a.logprobs is not None and b.logprobs is not None
+        for top, ref_top in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
             mine, theirs = dict(top.top), dict(ref_top.top)
             shared = mine.keys() & theirs.keys()  # near-tied runners-up may swap places, not vanish
             assert len(shared) >= 2 and max(abs(mine[t] - theirs[t]) for t in shared) < within
@@ -754,10 +769,7 @@ def test_engine_runs_a_16bit_model_natively_in_step_graphs(
     for got, want in zip(outs, ref, strict=True):
         a, b = got.outputs[0], want.outputs[0]
         assert a.logprobs is not None and b.logprobs is not None
-        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
-        if n < len(a.token_ids):  # parted: only on a near tie of the fp32 model
-            best, second = sorted((lp for _, lp in b.logprobs[n].top), reverse=True)[:2]
-            assert best - second < within, (n, b.logprobs[n].top)
+        n = _greedy_agreed(a, b, within)
         for top, ref_top in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
             tok_a, tok_b = dict(top.top), dict(ref_top.top)
             shared = tok_a.keys() & tok_b.keys()
