@@ -136,11 +136,8 @@ def _stream_gbps(services: DeviceServices, stream: WeightStream, repeats: int) -
                 probe(x)
             for x in stream.rest:
                 x.sum()
-            services.synchronize()  # an accelerator's read has finished when the clock stops
 
-        read()
-        best = min(_timed(read) for _ in range(repeats))
-        results[name] = stream.nbytes / best / 1e9
+        results[name] = stream.nbytes / _best(read, services, repeats) / 1e9
     return results
 
 
@@ -190,9 +187,9 @@ def gemm_peak(
     return results
 
 
-def _best(fn: Callable[[], object], services: DeviceServices, repeats: int, budget_s: float) -> float:
-    """The fastest of ``repeats`` calls of ``fn`` (each synchronized) after one warm-up; fewer once
-    they have taken ``budget_s`` in all."""
+def _best(fn: Callable[[], object], services: DeviceServices, repeats: int, budget_s: float = float("inf")) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` after one warm-up, each synchronized (an
+    accelerator's work has finished when the clock stops); fewer once they have taken ``budget_s``."""
 
     def call() -> None:
         fn()

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, KVCacheLayout
-from plinth_cpu.native import NativeKernels
+from plinth_cpu.native import ELEMENT_TYPES, NativeKernels
 
 #: The cache layout these kernels read and write: [2, num_blocks, Hkv, block_size, D].
 CPU_KV_LAYOUT = KVCacheLayout(dims=("kv", "num_blocks", "num_kv_heads", "block_size", "head_size"))
@@ -463,11 +463,7 @@ def _dense_heads(x: torch.Tensor) -> bool:
 
 #: KV cache dtypes the native kernels read and write (a 16-bit cache: widened exactly as it is read,
 #: rounded as torch rounds as it is written).
-NATIVE_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+NATIVE_KV_CACHE_DTYPES: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in ELEMENT_TYPES}
 
 
 class NativeAttention(CpuAttention):
