@@ -11,8 +11,9 @@ keep their 16 bits in the same panels (format ``"w16_panels"``): the kernels wid
 they read them, so the products are the fp32 panels' bit for bit and a decode step streams half the
 bytes. A bf16/fp16 model's weights stay ``[N, K]`` in its dtype: the native row tiles read them widened
 (``x`` widened and the fp32 product rounded once, by native calls a step graph records), in a bf16
-model on a CPU with AVX512-BF16 or AMX up to 8 rows and above that ``F.linear`` (oneDNN's bf16
-GEMM), else at every row count (see :data:`ROWS16_ENV`). float64, and every dtype without native
+model on a CPU with AVX512-BF16 or AMX up to 4 rows and above that oneDNN's bf16 GEMM on a copy of
+the weight it reordered once at load (:data:`ONEDNN_PACKED_ENV`; 8 rows and ``F.linear`` without
+it), else at every row count (see :data:`ROWS16_ENV`). float64, and every dtype without native
 kernels, use ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts,
 so the weight is never pre-transposed.
 
@@ -40,6 +41,7 @@ activations to int8 per 32-block first on every path, as llama.cpp does: logits 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,10 @@ GROUPS_MODES = ("auto", "1", "0")
 ROWS16_ENV = "PLINTH_CPU_16BIT_NATIVE_ROWS"
 #: The default bound for a bf16 model where oneDNN has bf16 instructions to run; otherwise no bound.
 ROWS16_BF16_ONEDNN = 8
+#: ... where the weights are pre-packed for oneDNN (:data:`ONEDNN_PACKED_ENV`). Measured (Zen 5, as
+#: above, ``benchmarks/onednn_packed.py``, GFLOP/s native / pre-packed): 4 rows 129-134 / 121-124, 8
+#: rows 180 / 215, 16 rows 202 / 358.
+ROWS16_BF16_PACKED = 4
 UNBOUNDED = 1 << 62
 #: ``ONEDNN_MAX_CPU_ISA`` values below AVX512_CORE_BF16 (oneDNN then has no bf16 dot products).
 _ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
@@ -89,6 +95,55 @@ def onednn_runs_bf16(flags: set[str] | None) -> bool:
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_BELOW_BF16:
         return False
     return bool({"avx512_bf16", "amx_bf16"} & (flags or set()))
+
+
+#: A bf16 model's weights also reordered once at load into oneDNN's own blocked layout, for the
+#: products ``F.linear`` would run (above :data:`ROWS16_ENV`'s bound with the native kernels, every
+#: one without them): "auto" (default) where oneDNN has bf16 dot products (:func:`onednn_runs_bf16`),
+#: "1" wherever torch has oneDNN, "0" never. ``F.linear`` on the ``[N, K]`` weight reorders it on every
+#: call. The native row tiles keep reading the ``[N, K]`` weight (oneDNN's layout is its own and
+#: differs by ISA), so a bf16 model holds its linear weights twice. Measured (Zen 5, AVX512-BF16, no
+#: AMX; 2 threads; ``benchmarks/onednn_packed.py``, 30 SmolLM2-shaped layers from memory): see the
+#: cpu backend's README.
+ONEDNN_PACKED_ENV = "PLINTH_CPU_ONEDNN_PACKED"
+ONEDNN_PACKED_MODES = ("auto", "1", "0")
+
+
+@dataclass(frozen=True, slots=True)
+class OneDnnPacked:
+    """A weight reordered by oneDNN into its blocked layout (an opaque ``torch._mkldnn`` tensor).
+
+    Held in ``LinearWeight.data`` wrapped, not as a tensor: a decode step never reads it (the bytes a
+    batch-1 step streams are the ``[N, K]`` weight's) and a step program's tracer must not swap it."""
+
+    tensor: torch.Tensor
+
+
+def onednn_pack(weight: torch.Tensor) -> OneDnnPacked:
+    """``weight`` [N, K] (bf16 or fp32) reordered once into oneDNN's layout for this CPU."""
+    return OneDnnPacked(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
+
+
+def onednn_packed_linear(x: torch.Tensor, packed: OneDnnPacked, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [M, K] (in the packed weight's dtype) times a pre-packed weight, plus ``bias``: oneDNN's
+    GEMM without its per-call reorder. A strided ``x`` is copied first (see :func:`_torch_linear`)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.tensor, bias, "none", [], "")
+
+
+def onednn_packs(dtype: torch.dtype, mode: str | None = None) -> bool:
+    """Whether a model in ``dtype`` gets pre-packed oneDNN weights (:data:`ONEDNN_PACKED_ENV`, or
+    ``mode``): bf16 only (torch's fp16 reorder needs AVX512-FP16 or AVX-NE-CONVERT, and the fp32
+    panels beat oneDNN), and only where torch was built with oneDNN."""
+    mode = _mode("onednn_packed", mode, ONEDNN_PACKED_ENV, ONEDNN_PACKED_MODES)
+    if dtype != torch.bfloat16 or mode == "0":
+        return False
+    if mode == "auto":
+        return torch.backends.mkldnn.is_available() and onednn_runs_bf16(_cpu_flags())
+    try:  # "1": asked for, so a CPU or torch build oneDNN refuses is named now, not at the first weight
+        onednn_pack(torch.zeros(8, 8, dtype=dtype))
+    except (RuntimeError, AttributeError) as e:
+        raise ValueError(f"{ONEDNN_PACKED_ENV}=1: torch's oneDNN cannot pre-pack bf16 weights here ({e})") from e
+    return True
 
 
 #: Quantized products up to this many rows (by the native build) dequantize 3 weight rows at a time
@@ -121,20 +176,26 @@ class CpuGemm(GemmKernels):
     """``x @ w.T + b`` in one compute dtype through torch's ``F.linear`` (the backend without native
     kernels, and the base of :class:`NativeGemm`)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, onednn_packed: str | None = None) -> None:
         self.dtype = dtype
+        self.onednn_packed = onednn_packs(dtype, onednn_packed)
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
-        """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous on the CPU."""
+        """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous on the CPU; in a
+        bf16 model also reordered once for oneDNN (``data["onednn"]``, :data:`ONEDNN_PACKED_ENV`)."""
         w = weight.to(device="cpu", dtype=self.dtype).contiguous()  # [N, K]
         b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).contiguous()  # [N]
         n, k = w.shape
-        return LinearWeight(out_features=n, in_features=k, weight=w, bias=b)
+        data = {"onednn": onednn_pack(w)} if self.onednn_packed else {}
+        return LinearWeight(out_features=n, in_features=k, weight=w, bias=b, data=data)
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] (any strides) -> [M, N]."""
         if weight.format != "dense" or weight.weight is None:
             raise ValueError(f"{type(self).__name__} got a {weight.format!r} weight without a dense tensor")
+        packed = weight.data.get("onednn")
+        if packed is not None and x.dtype == weight.weight.dtype:
+            return onednn_packed_linear(x, packed, weight.bias)
         return _torch_linear(x, weight.weight, weight.bias)
 
 
@@ -181,8 +242,9 @@ class NativeGemm(CpuGemm):
         native: NativeKernels,
         activations: str | None = None,
         quant_batched: str | None = None,
+        onednn_packed: str | None = None,
     ) -> None:
-        super().__init__(dtype)
+        super().__init__(dtype, onednn_packed)
         self.native = native
         self.quant_batched = _mode("quant_batched", quant_batched, QUANT_BATCHED_ENV, QUANT_BATCHED_MODES)
         self._scratch16: torch.Tensor | None = None  # a bf16-dequantized weight of a batched product
@@ -198,7 +260,7 @@ class NativeGemm(CpuGemm):
         if rows16 is not None:
             self.rows16_max_rows = int(rows16)
         elif dtype == torch.bfloat16 and onednn_runs_bf16(_cpu_flags()):
-            self.rows16_max_rows = ROWS16_BF16_ONEDNN
+            self.rows16_max_rows = ROWS16_BF16_PACKED if self.onednn_packed else ROWS16_BF16_ONEDNN
         else:
             self.rows16_max_rows = UNBOUNDED
         self._scratch: torch.Tensor | None = None  # dequantized weight of a prefill-sized product

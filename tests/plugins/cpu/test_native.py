@@ -1203,7 +1203,7 @@ def test_16bit_model_gemm_is_the_fp32_product_rounded_once(nk: NativeKernels, ha
     w, b = torch.randn(74, 96, generator=gen), torch.randn(74, generator=gen)
     wide = (torch.randn(m, 200, generator=gen) * 2).to(half)
     x = wide[:, 7:103]  # [m, 96], rows 200 apart
-    g16 = NativeGemm(half, nk)
+    g16 = NativeGemm(half, nk, onednn_packed="0")  # the bound with oneDNN reordering per call
     lw = g16.prepare(w, b)
     assert lw.format == "dense" and lw.weight is not None and lw.weight.dtype == half
     onednn = half == torch.bfloat16 and gemm_mod.onednn_runs_bf16(gemm_mod._cpu_flags())
@@ -1231,14 +1231,21 @@ def test_bf16_goes_to_onednn_only_where_it_has_bf16_instructions(monkeypatch: py
 
 @needs_native
 @pytest.mark.parametrize(
-    "flags,bound", [({"avx2", "avx512_bf16"}, 8), ({"avx2", "fma"}, 1 << 62)], ids=["bf16", "avx2"]
+    "flags,packed,bound",
+    [({"avx2", "avx512_bf16"}, "auto", 4), ({"avx2", "avx512_bf16"}, "0", 8), ({"avx2", "fma"}, "auto", 1 << 62)],
+    ids=["bf16-packed", "bf16", "avx2"],
 )
 def test_bf16_model_native_rows_follow_the_cpu(
-    nk: NativeKernels, monkeypatch: pytest.MonkeyPatch, flags: set[str], bound: int
+    nk: NativeKernels, monkeypatch: pytest.MonkeyPatch, flags: set[str], packed: str, bound: int
 ) -> None:
+    """Where oneDNN runs bf16, a bf16 model's native row tiles stop at 8 rows, at 4 where its weights
+    are pre-packed for oneDNN (then faster from 8 rows); elsewhere they take every row count."""
     monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", packed)
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
+    if packed == "auto" and bound == 4 and not torch.backends.mkldnn.is_available():
+        bound = 8  # a torch without oneDNN packs nothing
     assert NativeGemm(torch.bfloat16, nk).rows16_max_rows == bound
     assert NativeGemm(torch.float16, nk).rows16_max_rows == gemm_mod.UNBOUNDED
 
@@ -1253,7 +1260,7 @@ def test_16bit_model_gemm_rows_switch(nk: NativeKernels, monkeypatch: pytest.Mon
         with pytest.raises(ValueError, match="PLINTH_CPU_16BIT_NATIVE_ROWS='x'"):
             NativeGemm(torch.bfloat16, nk)
         return
-    g = NativeGemm(torch.bfloat16, nk)
+    g = NativeGemm(torch.bfloat16, nk, onednn_packed="0")  # above the bound: F.linear itself
     assert g.rows16_max_rows == int(rows)
     gen = torch.Generator().manual_seed(2)
     lw = g.prepare(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))

@@ -1,0 +1,101 @@
+"""The cpu backend's GEMM: a bf16 model's weights pre-packed for oneDNN (``PLINTH_CPU_ONEDNN_PACKED``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plinth_cpu import gemm as gemm_mod
+from plinth_cpu.gemm import CpuGemm, NativeGemm, OneDnnPacked, onednn_packs
+from plinth_cpu.native import native, native_status
+
+#: This host's oneDNN packs bf16 weights by default (AVX512-BF16 or AMX-BF16, torch built with oneDNN).
+PACKS_HERE = onednn_packs(torch.bfloat16, "auto")
+needs_packing = pytest.mark.skipif(
+    not PACKS_HERE, reason="oneDNN has no bf16 dot products on this CPU: bf16 weights stay [N, K] only"
+)
+
+
+@pytest.mark.parametrize(
+    "flags,mode,dtype,packs",
+    [
+        ({"avx2", "avx512_bf16"}, "auto", torch.bfloat16, True),
+        ({"avx2", "amx_bf16", "amx_tile"}, "auto", torch.bfloat16, True),
+        ({"avx2", "fma"}, "auto", torch.bfloat16, False),
+        ({"avx2", "avx512_bf16"}, "0", torch.bfloat16, False),
+        ({"avx2", "avx512_bf16"}, "auto", torch.float32, False),
+        ({"avx2", "avx512_bf16"}, "1", torch.float16, False),
+    ],
+    ids=["avx512-bf16", "amx", "avx2", "off", "fp32", "fp16"],
+)
+def test_bf16_weights_are_packed_where_onednn_runs_bf16(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], mode: str, dtype: torch.dtype, packs: bool
+) -> None:
+    """"auto" packs a bf16 model's weights only where oneDNN has bf16 dot products; fp32 (the native
+    panels beat oneDNN) and fp16 (its reorder needs AVX512-FP16) never."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", mode)
+    monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
+    expected = packs and torch.backends.mkldnn.is_available()
+    assert onednn_packs(dtype) is expected
+    assert CpuGemm(dtype).onednn_packed is expected
+
+
+def test_packing_switch_names_bad_values_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value outside auto/1/0 is named; "1" where oneDNN refuses to pack says so when the GEMM is
+    made (not at the first weight), with torch's reason."""
+    monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", "yes")
+    with pytest.raises(ValueError, match="PLINTH_CPU_ONEDNN_PACKED='yes': expected one of auto, 1, 0"):
+        CpuGemm(torch.bfloat16)
+
+    def refuse(weight: torch.Tensor) -> OneDnnPacked:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(gemm_mod, "onednn_pack", refuse)
+    monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", "1")
+    with pytest.raises(ValueError, match="PLINTH_CPU_ONEDNN_PACKED=1: .*cannot pre-pack.*avx512bw"):
+        CpuGemm(torch.bfloat16)
+    monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", "0")
+    assert not CpuGemm(torch.bfloat16).onednn_packed
+
+
+@needs_packing
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch-only"])
+@pytest.mark.parametrize("m", [1, 4, 5, 33, 130])
+def test_bf16_products_run_on_the_packed_weight(
+    monkeypatch: pytest.MonkeyPatch, native_kernels: bool, m: int
+) -> None:
+    """With the native kernels, a bf16 model's products of more than 4 rows (without them, all) take
+    the weight oneDNN reordered at load, and give ``F.linear``'s result on the ``[N, K]`` weight
+    within bf16 rounding; a strided ``x`` (NaN between its rows, as issue 23's AMX host leaked them)
+    is copied first. The packed weight is held wrapped, not as a tensor in ``data`` for a step tracer
+    to swap or for the weight-stream probes to count."""
+    monkeypatch.delenv("PLINTH_CPU_ONEDNN_PACKED", raising=False)
+    monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
+    nk = native()
+    if native_kernels and nk is None:
+        pytest.skip(native_status())
+    gemm = NativeGemm(torch.bfloat16, nk) if native_kernels and nk is not None else CpuGemm(torch.bfloat16)
+    gen = torch.Generator().manual_seed(m)
+    w, b = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    lw = gemm.prepare(w, b)
+    assert lw.format == "dense" and lw.weight is not None and lw.weight.dtype == torch.bfloat16
+    assert isinstance(lw.data["onednn"], OneDnnPacked)
+    assert not isinstance(lw.data["onednn"], torch.Tensor)
+    wide = torch.full((m, 250), float("nan"), dtype=torch.bfloat16)
+    wide[:, 3:99] = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+    x = wide[:, 3:99]
+    packed_calls: list[int] = []
+    real = gemm_mod.onednn_packed_linear
+
+    def spy(x: torch.Tensor, packed: OneDnnPacked, bias: torch.Tensor | None) -> torch.Tensor:
+        packed_calls.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(gemm_mod, "onednn_packed_linear", spy)
+    y = gemm.linear(x, lw)
+    assert packed_calls == ([] if native_kernels and m <= gemm_mod.ROWS16_BF16_PACKED else [m])
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 200) and not y.isnan().any()
+    ref = F.linear(x.contiguous(), lw.weight, lw.bias)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=5e-2)
