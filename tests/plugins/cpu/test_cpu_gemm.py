@@ -32,7 +32,7 @@ needs_packing = pytest.mark.skipif(
 def test_bf16_weights_are_packed_where_onednn_runs_bf16(
     monkeypatch: pytest.MonkeyPatch, flags: set[str], mode: str, dtype: torch.dtype, packs: bool
 ) -> None:
-    """"auto" packs a bf16 model's weights only where oneDNN has bf16 dot products; fp32 (the native
+    """The "auto" mode packs a bf16 model's weights only where oneDNN has bf16 dot products; fp32 (the native
     panels beat oneDNN) and fp16 (its reorder needs AVX512-FP16) never."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", mode)
@@ -63,9 +63,7 @@ def test_packing_switch_names_bad_values_and_refusals(monkeypatch: pytest.Monkey
 @needs_packing
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch-only"])
 @pytest.mark.parametrize("m", [1, 4, 5, 33, 130])
-def test_bf16_products_run_on_the_packed_weight(
-    monkeypatch: pytest.MonkeyPatch, native_kernels: bool, m: int
-) -> None:
+def test_bf16_products_run_on_the_packed_weight(monkeypatch: pytest.MonkeyPatch, native_kernels: bool, m: int) -> None:
     """With the native kernels, a bf16 model's products of more than 4 rows (without them, all) take
     the weight oneDNN reordered at load, and give ``F.linear``'s result on the ``[N, K]`` weight
     within bf16 rounding; a strided ``x`` (NaN between its rows, as issue 23's AMX host leaked them)
