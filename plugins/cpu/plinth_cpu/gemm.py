@@ -17,25 +17,26 @@ it), else at every row count (see :data:`ROWS16_ENV`). float64, and every dtype 
 kernels, use ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts,
 so the weight is never pre-transposed.
 
-Quantized weights keep their GGUF blocks' values (never dequantized at load). Few rows (decode): the
-native kernel unpacks each block in registers and multiplies it with the activations rounded to
-int16 per 32-block (``PLINTH_CPU_ACTIVATIONS``, default "int16"): exact integer products, and a
-rounding at most 2^-16 of the block's largest activation, which kept SmolLM2-135M's log-probs within
-1.5e-3 nats of the dequantized fp32 model. Under int16 a q4_1 weight is laid out once at load in
-4-row groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles are int16
-lanes, one scale load serves four rows), which the kernel reads with a third fewer instructions in
-one stream per group (with the AVX-512 build; ``PLINTH_CPU_Q4_1_GROUPS``). Multiplying fp32
-activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has to convert every
-weight to float, and that, not memory, bounds the kernel. More rows, on the AVX2 build up to 64:
-each group of 3 weight rows is dequantized into a cache-resident buffer and multiplied with the
-fp32 register tiles (fp32 activations); the dequantization is then a small share of the work. Above
-that (on the AVX-512 build from 17 rows: :data:`DEQUANT_ROWS_MAX_ROWS`) the whole weight is
-dequantized into panels in a reused scratch buffer (at most a few MB per layer) for the panel kernel.
-With ``PLINTH_CPU_QUANT_BATCHED=bf16`` products of 96 rows or more
-instead dequantize the weight to bf16 and run oneDNN's bf16 GEMM (AVX512-BF16 / AMX) on the
-activations rounded to bf16 (faster, less exact: see :data:`QUANT_BATCHED_ENV`). "int8" rounds
-activations to int8 per 32-block first on every path, as llama.cpp does: logits off by the rounding
-(measured up to 0.3 nats on SmolLM2-135M, enough to flip near-tied greedy choices).
+Quantized weights keep their GGUF blocks' values (never dequantized at load). Few rows (decode; in
+4-row groups up to :data:`Q4_1X4_MAX_ROWS`): the native kernel unpacks each block in registers and
+multiplies it with the activations rounded to int16 per 32-block (``PLINTH_CPU_ACTIVATIONS``,
+default "int16"): exact integer products, and a rounding at most 2^-16 of the block's largest
+activation, which kept SmolLM2-135M's log-probs within 1.5e-3 nats of the dequantized fp32 model.
+Under int16 a q4_1 weight is laid out once at load in 4-row groups (format ``"q4_1x4"``: a block of
+four rows is one 512-bit load whose nibbles are int16 lanes, one scale load serves four rows), which
+the kernel reads with a third fewer instructions in one stream per group (with the AVX-512 build;
+``PLINTH_CPU_Q4_1_GROUPS``). Multiplying fp32 activations as given ("fp32") is exact up to fp32
+rounding but slower: AVX2 has to convert every weight to float, and that, not memory, bounds the
+kernel. More rows, on the AVX2 build up to 64: each group of 3 weight rows is dequantized into a
+cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
+dequantization is then a small share of the work. Above that (on the AVX-512 build from 17 rows:
+:data:`DEQUANT_ROWS_MAX_ROWS`) the whole weight is dequantized into panels in a reused scratch
+buffer (at most a few MB per layer) for the panel kernel. With ``PLINTH_CPU_QUANT_BATCHED=bf16``
+products of 96 rows or more instead dequantize the weight to bf16 and run oneDNN's bf16 GEMM
+(AVX512-BF16 / AMX) on the activations rounded to bf16 (faster, less exact: see
+:data:`QUANT_BATCHED_ENV`). "int8" rounds activations to int8 per 32-block first on every path, as
+llama.cpp does: logits off by the rounding (measured up to 0.3 nats on SmolLM2-135M, enough to flip
+near-tied greedy choices).
 """
 
 from __future__ import annotations
@@ -170,6 +171,19 @@ QUANT_BF16_MIN_ROWS = 96
 
 #: Quantized products with at most this many rows use the per-block kernel.
 NATIVE_QUANT_MAX_ROWS = 16
+#: ... and q4_1 weights in 4-row groups (``q4_1x4``, int16 activations) up to this many: a group's
+#: blocks stay in L1 while every activation row passes them, so the kernel keeps its speed as rows
+#: grow, where the alternative dequantizes the whole weight per call. Measured (Zen 5, AVX-512 build,
+#: 2 threads, 30 SmolLM2-shaped q4_1 layers out of cache, ms per pass, ``q4_1x4`` kernel / weight
+#: dequantized into panels): 16 rows 12.5 / 19.4, 24 rows 17.2 / 27.9, 32 rows 22.7 / 28.2, 48 rows
+#: 32.1 / 36.2, 64 rows 41.4 / 43.8, 80 rows 52.1 / 54.3, 96 rows 61.6 / 56.2.
+Q4_1X4_MAX_ROWS = 64
+
+
+def native_quant_max_rows(fmt: str) -> int:
+    """The most rows of a product the per-block kernel takes for a weight of ``LinearWeight.format``
+    ``fmt``: above, the weight is dequantized (3 rows at a time, or whole into panels)."""
+    return Q4_1X4_MAX_ROWS if fmt == Q4_1X4 else NATIVE_QUANT_MAX_ROWS
 
 
 class CpuGemm(GemmKernels):
@@ -338,7 +352,7 @@ class NativeGemm(CpuGemm):
         blocks = weight.data["blocks"]
         n = weight.out_features
         m = x.shape[0]
-        if m <= NATIVE_QUANT_MAX_ROWS:
+        if m <= native_quant_max_rows(weight.format):
             y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n, activations=self.activations)
         elif self.quant_batched == "bf16" and m >= QUANT_BF16_MIN_ROWS and self.activations != "int8":
             y = self._linear_bf16(xf, weight)  # in bf16 through oneDNN

@@ -200,9 +200,9 @@ def test_pack_f32_layout(nk: NativeKernels, threads: int) -> None:
 @pytest.mark.parametrize("k", [96, 128])  # 3 and 4 blocks a row: the AVX-512 build's pair loop and its odd block
 def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: int, activations: str) -> None:
     """fp32 activations: the dequantized weight's product. int16/int8 activations (int16 on the
-    few-row path only): within the rounding bound. On every path (few rows: per-block kernel;
-    more: dequantized rows, or panels, from 17 rows on the AVX-512 build and 65 on AVX2), and a
-    row's result does not depend on the batch size beyond that."""
+    few-row path only): within the rounding bound. On every path (few rows: per-block kernel, up to
+    64 rows for q4_1 in 4-row groups; more: dequantized rows, or panels, from 17 rows on the AVX-512
+    build and 65 on AVX2), and a row's result does not depend on the batch size beyond that."""
     gen = torch.Generator().manual_seed(7)
     n = 40
     qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
@@ -221,7 +221,7 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
         assert ((y - ref).abs() <= _activation_error_bound(x, w)).all()
         assert (y - ref).abs().max() > 1e-4  # really rounded activations
         torch.testing.assert_close(y[:1], row, rtol=1e-5, atol=1e-5)
-    elif activations == "int16" and m <= NATIVE_QUANT_MAX_ROWS:
+    elif activations == "int16" and m <= gemm_mod.native_quant_max_rows(prepared.format):
         err = (y - ref).abs()
         assert (err <= _activation_error_bound(x, w, levels=32767)).all()
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=2e-3)
