@@ -41,6 +41,7 @@ near-tied greedy choices).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ from plinth.platform.backend import GemmKernels, LinearWeight
 from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import ELEMENT_TYPES, PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels
 from plinth_cpu.preflight import _cpu_flags
+
+log = logging.getLogger(__name__)
 
 #: ``LinearWeight.format`` of an fp32 weight laid out in 8-row panels for the native kernels.
 PANELS = "f32_panels"
@@ -108,6 +111,26 @@ def onednn_runs_bf16(flags: set[str] | None) -> bool:
 #: cpu backend's README.
 ONEDNN_PACKED_ENV = "PLINTH_CPU_ONEDNN_PACKED"
 ONEDNN_PACKED_MODES = ("auto", "1", "0")
+#: Under "auto" a weight is packed only while the host's available memory stays above this share of
+#: its total after the copy: a model that fits once but not twice loads with its later weights
+#: unpacked (``F.linear``) instead of running the host out of memory ("1" packs regardless).
+ONEDNN_PACK_RESERVE = 0.25
+
+
+def host_memory() -> tuple[int, int]:
+    """``(available, total)`` bytes of host memory: /proc/meminfo's MemAvailable (free memory plus what
+    the kernel can reclaim, such as the page cache a checkpoint was just read into) where there is
+    one, else the free pages."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, total
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * page, total
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +216,11 @@ class CpuGemm(GemmKernels):
     def __init__(self, dtype: torch.dtype, onednn_packed: str | None = None) -> None:
         self.dtype = dtype
         self.onednn_packed = onednn_packs(dtype, onednn_packed)
+        #: "1" asked for: pack whatever the memory; "auto": only while :data:`ONEDNN_PACK_RESERVE` holds
+        self.onednn_pack_always = (
+            self.onednn_packed and _mode("onednn_packed", onednn_packed, ONEDNN_PACKED_ENV, ONEDNN_PACKED_MODES) == "1"
+        )
+        self.onednn_unpacked = 0  # weights left unpacked for want of memory
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
         """Cast ``weight`` [N, K] (and ``bias`` [N]) to the compute dtype, contiguous on the CPU; in a
@@ -200,8 +228,27 @@ class CpuGemm(GemmKernels):
         w = weight.to(device="cpu", dtype=self.dtype).contiguous()  # [N, K]
         b = None if bias is None else bias.to(device="cpu", dtype=self.dtype).contiguous()  # [N]
         n, k = w.shape
-        data = {"onednn": onednn_pack(w)} if self.onednn_packed else {}
+        data = {"onednn": onednn_pack(w)} if self.onednn_packed and self._room_to_pack(w) else {}
         return LinearWeight(out_features=n, in_features=k, weight=w, bias=b, data=data)
+
+    def _room_to_pack(self, w: torch.Tensor) -> bool:
+        """Whether a packed copy of ``w`` leaves the host :data:`ONEDNN_PACK_RESERVE` of its memory
+        (always under "1"); the first weight refused says so in the log."""
+        if self.onednn_pack_always:
+            return True
+        available, total = host_memory()
+        nbytes = w.numel() * w.element_size()
+        if available - nbytes >= ONEDNN_PACK_RESERVE * total:
+            return True
+        if not self.onednn_unpacked:
+            log.warning(
+                "%s: bf16 weights from here on are not pre-packed for oneDNN (a copy of %.1f MiB would leave "
+                "%.2f GiB of %.2f GiB available, under the %d%% reserve); their products take F.linear",
+                ONEDNN_PACKED_ENV, nbytes / 2**20, (available - nbytes) / 2**30, total / 2**30,
+                round(ONEDNN_PACK_RESERVE * 100),
+            )  # fmt: skip
+        self.onednn_unpacked += 1
+        return False
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] (any strides) -> [M, N]."""

@@ -97,3 +97,35 @@ def test_bf16_products_run_on_the_packed_weight(monkeypatch: pytest.MonkeyPatch,
     assert y.dtype == torch.bfloat16 and y.shape == (m, 200) and not y.isnan().any()
     ref = F.linear(x.contiguous(), lw.weight, lw.bias)
     torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_packing_stops_where_the_copy_would_crowd_the_host(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    """Under "auto" a weight is packed only while the host keeps ONEDNN_PACK_RESERVE of its memory
+    after the copy: a model that fits once but not twice loads, its later weights unpacked (said once
+    in the log); "1" packs regardless. The reorder itself is stubbed, so this runs on every host."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    monkeypatch.setattr(gemm_mod, "onednn_pack", lambda w: OneDnnPacked(w))
+    gib = 1 << 30
+    available = [6 * gib]
+    monkeypatch.setattr(gemm_mod, "host_memory", lambda: (available[0], 8 * gib))
+    gemm = CpuGemm(torch.bfloat16, mode)
+    assert gemm.onednn_packed
+    w = torch.randn(64, 32)
+    assert "onednn" in gemm.prepare(w, None).data  # 6 GiB of 8 available: room
+    available[0] = 2 * gib + w.numel() * 2 - 1  # the copy would leave a byte under 2 GiB (25% of 8)
+    with caplog.at_level("WARNING", logger="plinth_cpu.gemm"):
+        first, second = gemm.prepare(w, None), gemm.prepare(w, None)
+    if mode == "1":
+        assert "onednn" in first.data and "onednn" in second.data and gemm.onednn_unpacked == 0
+        assert not caplog.records
+        return
+    assert "onednn" not in first.data and "onednn" not in second.data and gemm.onednn_unpacked == 2
+    assert len(caplog.records) == 1 and "not pre-packed" in caplog.records[0].getMessage()
+    assert "under the 25% reserve" in caplog.records[0].getMessage()
+    available[0] += 1  # exactly the reserve left: packed again
+    assert "onednn" in gemm.prepare(w, None).data
