@@ -30,7 +30,7 @@ from plinth.platform.backend import (
     torch_dtype,
 )
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
-from plinth_cpu.gemm import CpuGemm, NativeGemm
+from plinth_cpu.gemm import CpuGemm, NativeGemm, onednn_packing_status
 from plinth_cpu.host_memory import huge_page_tensor
 from plinth_cpu.lora import CpuLoRA
 from plinth_cpu.moe import CpuMoE, MoEScratch
@@ -219,6 +219,7 @@ class CpuBackend(Backend):
             f"ISA features: {', '.join(features) if features else 'none of avx2/avx512f/amx/neon found'}",
             f"torch kernels use {capability}, {torch.get_num_threads()} threads",
             native_status(),
+            onednn_packing_status(),
             f"torch's OpenMP threads: {process_env.report('OMP_WAIT_POLICY')}",
         ]
         if features or capability != "DEFAULT":

@@ -209,6 +209,25 @@ def native_quant_max_rows(fmt: str) -> int:
     return Q4_1X4_MAX_ROWS if fmt == Q4_1X4 else NATIVE_QUANT_MAX_ROWS
 
 
+def onednn_packing_status() -> str:
+    """One line for ``plinth backends``: whether a bf16 model's weights get pre-packed for oneDNN
+    here, and why. Never raises (a bad :data:`ONEDNN_PACKED_ENV` value is named) and packs nothing."""
+    mode = os.environ.get(ONEDNN_PACKED_ENV, "auto")
+    if mode not in ONEDNN_PACKED_MODES:
+        return (
+            f"{ONEDNN_PACKED_ENV}={mode!r} is not one of {', '.join(ONEDNN_PACKED_MODES)}: a bf16 model will not start"
+        )
+    if mode == "0":
+        return f"bf16 weights not pre-packed for oneDNN ({ONEDNN_PACKED_ENV}=0)"
+    if not torch.backends.mkldnn.is_available():
+        return "bf16 weights not pre-packed for oneDNN: torch was built without it"
+    if mode == "1":
+        return f"bf16 weights pre-packed for oneDNN ({ONEDNN_PACKED_ENV}=1)"
+    if onednn_runs_bf16(_cpu_flags()):
+        return "bf16 weights pre-packed for oneDNN (it has AVX512-BF16 or AMX-BF16 here)"
+    return "bf16 weights not pre-packed for oneDNN: it has no bf16 dot products here (or ONEDNN_MAX_CPU_ISA)"
+
+
 class CpuGemm(GemmKernels):
     """``x @ w.T + b`` in one compute dtype through torch's ``F.linear`` (the backend without native
     kernels, and the base of :class:`NativeGemm`)."""

@@ -129,3 +129,28 @@ def test_packing_stops_where_the_copy_would_crowd_the_host(
     assert "under the 25% reserve" in caplog.records[0].getMessage()
     available[0] += 1  # exactly the reserve left: packed again
     assert "onednn" in gemm.prepare(w, None).data
+
+
+@pytest.mark.parametrize(
+    "mode,flags,says",
+    [
+        ("auto", {"avx2", "avx512_bf16"}, "bf16 weights pre-packed for oneDNN (it has AVX512-BF16"),
+        ("auto", {"avx2", "fma"}, "not pre-packed for oneDNN: it has no bf16 dot products"),
+        ("0", {"avx2", "avx512_bf16"}, "not pre-packed for oneDNN (PLINTH_CPU_ONEDNN_PACKED=0)"),
+        ("1", {"avx2", "fma"}, "pre-packed for oneDNN (PLINTH_CPU_ONEDNN_PACKED=1)"),
+        ("on", {"avx2"}, "PLINTH_CPU_ONEDNN_PACKED='on' is not one of auto, 1, 0"),
+    ],
+)
+def test_backends_line_says_whether_bf16_weights_are_packed(
+    monkeypatch: pytest.MonkeyPatch, mode: str, flags: set[str], says: str
+) -> None:
+    """``plinth backends`` carries the packing decision and its reason; a bad value is named there
+    (the probe never raises)."""
+    from plinth_cpu.backend import CpuBackend
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", mode)
+    monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    assert says in gemm_mod.onednn_packing_status()
+    assert any(says in reason for reason in CpuBackend().probe().reasons)
