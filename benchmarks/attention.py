@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from isa import cpu_flags_line
 from w16 import build_revision
 
 from plinth_cpu import native as native_mod
@@ -70,8 +71,7 @@ def main() -> None:
     for lib in libs.values():
         lib.set_num_threads(args.threads)
     H, Hk, D = (int(x) for x in args.heads.split("/"))
-    flags = sorted(f for f in (native_mod._cpu_flags() or set()) if f.startswith(("avx512", "amx")))
-    print(f"CPU flags: {', '.join(flags) or 'none (AVX2/FMA only)'}; build {nk.variant.name}; {args.threads} threads; "
+    print(f"CPU flags: {cpu_flags_line()}; build {nk.variant.name}; {args.threads} threads; "
           f"{args.cache_dtype} cache; heads {H}/{Hk}x{D}; load before {os.getloadavg()[0]:.2f}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for spec in args.cases:

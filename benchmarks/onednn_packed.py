@@ -22,13 +22,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from isa import cpu_flags_line
+from w16 import SHAPES, weight_stack
 
 from plinth_cpu import native as native_mod
 from plinth_cpu.gemm import onednn_pack, onednn_packed_linear
-
-#: (N, K) of SmolLM2-135M's fused qkv, o_proj, gate_up and down projections.
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-LAYERS = 30
 
 
 def main() -> None:
@@ -44,11 +42,10 @@ def main() -> None:
     nk.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    flags = sorted(f for f in (native_mod._cpu_flags() or set()) if f.startswith(("avx512", "amx")))
-    print(f"CPU flags: {', '.join(flags) or 'none (AVX2/FMA only)'}; build {nk.variant.name}; {args.threads} threads; "
+    print(f"CPU flags: {cpu_flags_line()}; build {nk.variant.name}; {args.threads} threads; "
           f"{args.dtype} weights; load before {os.getloadavg()[0]:.2f}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
+    weights = weight_stack(dtype, gen)
     packed = [onednn_pack(w) for w in weights]
 
     def native_call(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -66,7 +63,7 @@ def main() -> None:
     print("|---" * (len(calls) + 3) + "|")
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in SHAPES}}
-        flops = sum(2 * m * n * k for n, k in SHAPES) * LAYERS
+        flops = sum(2 * m * w.numel() for w in weights)
         best = dict.fromkeys(calls, float("inf"))
         for _ in range(args.passes):
             for name, call in calls.items():

@@ -19,6 +19,7 @@ import os
 import time
 
 import torch
+from isa import cpu_flags_line
 
 from plinth_conformance.quantized import random_weight
 from plinth_cpu import native as native_mod
@@ -41,8 +42,7 @@ def main() -> None:
     if nk is None:
         raise SystemExit(native_mod.native_status())
     nk.set_num_threads(args.threads)
-    flags = sorted(f for f in (native_mod._cpu_flags() or set()) if f.startswith(("avx512", "amx")))
-    print(f"CPU flags: {', '.join(flags) or 'none (AVX2/FMA only)'}; build {nk.variant.name}; {args.threads} threads; "
+    print(f"CPU flags: {cpu_flags_line()}; build {nk.variant.name}; {args.threads} threads; "
           f"{args.layers} layers; load before {os.getloadavg()[0]:.2f}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     gguf = [(n, k, random_weight("q4_1", n, k, gen).blocks) for _ in range(args.layers) for n, k in SHAPES]

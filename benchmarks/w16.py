@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from isa import cpu_flags_line
 
 from plinth_cpu import native as native_mod
 from plinth_cpu.native import NativeKernels
@@ -31,6 +32,12 @@ from plinth_cpu.native import NativeKernels
 #: (N, K) of SmolLM2-135M's fused qkv, o_proj, gate_up and down projections.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
+
+
+def weight_stack(dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
+    """Every linear weight of the :data:`LAYERS`-layer stack of :data:`SHAPES`, random ``N(0, 0.05^2)``
+    values in ``dtype``, layer by layer."""
+    return [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
 
 
 def build_revision(ref: str, variant: native_mod.IsaVariant, out: Path) -> NativeKernels:
@@ -67,11 +74,10 @@ def main() -> None:
     for lib in libs.values():
         lib.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    flags = sorted(f for f in (native_mod._cpu_flags() or set()) if f.startswith(("avx512", "amx")))
-    print(f"CPU flags: {', '.join(flags) or 'none (AVX2/FMA only)'}; build {nk.variant.name}; {args.threads} threads; "
+    print(f"CPU flags: {cpu_flags_line()}; build {nk.variant.name}; {args.threads} threads; "
           f"{args.dtype} panels; load before {os.getloadavg()[0]:.2f}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    weights16 = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
+    weights16 = weight_stack(dtype, gen)
     stacks = {
         "16-bit": [(w.shape[0], nk.pack_16(w)) for w in weights16],
         "fp32": [(w.shape[0], nk.pack_f32(w.float())) for w in weights16],

@@ -920,6 +920,23 @@ class Communicator(ABC):
         """Receive into ``tensor`` (its shape and dtype: the sender's) from rank ``src``; returns it."""
 
 
+def host_memory_info() -> tuple[int, int]:
+    """``(available_bytes, total_bytes)`` of host memory: /proc/meminfo's MemAvailable where the host
+    has one (free memory plus what the kernel can reclaim, such as the page cache a checkpoint was
+    just read through, which MemFree leaves out), else the free pages."""
+    import os
+    from pathlib import Path
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, total
+    return os.sysconf("SC_AVPHYS_PAGES") * page, total
+
+
 class DeviceServices:
     """Device-level services: where tensors live, how much memory is free, step graphs.
 
@@ -935,13 +952,9 @@ class DeviceServices:
         self.device = device
 
     def memory_info(self) -> tuple[int, int]:
-        """``(free_bytes, total_bytes)`` of the memory the KV cache is allocated in."""
-        import os
-
-        pages = os.sysconf("SC_PHYS_PAGES")
-        avail = os.sysconf("SC_AVPHYS_PAGES")
-        page = os.sysconf("SC_PAGE_SIZE")
-        return avail * page, pages * page
+        """``(free_bytes, total_bytes)`` of the memory the KV cache is allocated in (the default:
+        the host's, :func:`host_memory_info`)."""
+        return host_memory_info()
 
     def synchronize(self) -> None:
         """Wait until every kernel queued on the device has finished (no-op on synchronous devices).

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plinth.platform.backend import GemmKernels, LinearWeight
+from plinth.platform.backend import GemmKernels, LinearWeight, host_memory_info
 from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import ELEMENT_TYPES, PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels
 from plinth_cpu.preflight import _cpu_flags
@@ -111,26 +111,10 @@ def onednn_runs_bf16(flags: set[str] | None) -> bool:
 #: cpu backend's README.
 ONEDNN_PACKED_ENV = "PLINTH_CPU_ONEDNN_PACKED"
 ONEDNN_PACKED_MODES = ("auto", "1", "0")
-#: Under "auto" a weight is packed only while the host's available memory stays above this share of
-#: its total after the copy: a model that fits once but not twice loads with its later weights
+#: Under "auto" a weight is packed only while the host's available memory (:func:`host_memory_info`)
+#: stays above this share of its total after the copy: a model that fits once but not twice loads with its later weights
 #: unpacked (``F.linear``) instead of running the host out of memory ("1" packs regardless).
 ONEDNN_PACK_RESERVE = 0.25
-
-
-def host_memory() -> tuple[int, int]:
-    """``(available, total)`` bytes of host memory: /proc/meminfo's MemAvailable (free memory plus what
-    the kernel can reclaim, such as the page cache a checkpoint was just read into) where there is
-    one, else the free pages."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = os.sysconf("SC_PHYS_PAGES") * page
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, total
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * page, total
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,19 +138,33 @@ def onednn_packed_linear(x: torch.Tensor, packed: OneDnnPacked, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.tensor, bias, "none", [], "")
 
 
+def onednn_packing(mode: str) -> tuple[bool, str]:
+    """Whether a bf16 model's weights get pre-packed for oneDNN under ``mode`` (one of
+    :data:`ONEDNN_PACKED_MODES`), and why, in a line for ``plinth backends``. Packs nothing."""
+    if mode == "0":
+        return False, f"bf16 weights not pre-packed for oneDNN ({ONEDNN_PACKED_ENV}=0)"
+    if not torch.backends.mkldnn.is_available():
+        return False, "bf16 weights not pre-packed for oneDNN: torch was built without it"
+    if mode == "1":
+        return True, f"bf16 weights pre-packed for oneDNN ({ONEDNN_PACKED_ENV}=1)"
+    if onednn_runs_bf16(_cpu_flags()):
+        return True, "bf16 weights pre-packed for oneDNN (it has AVX512-BF16 or AMX-BF16 here)"
+    return False, "bf16 weights not pre-packed for oneDNN: it has no bf16 dot products here (or ONEDNN_MAX_CPU_ISA)"
+
+
 def onednn_packs(dtype: torch.dtype, mode: str | None = None) -> bool:
     """Whether a model in ``dtype`` gets pre-packed oneDNN weights (:data:`ONEDNN_PACKED_ENV`, or
-    ``mode``): bf16 only (torch's fp16 reorder needs AVX512-FP16 or AVX-NE-CONVERT, and the fp32
-    panels beat oneDNN), and only where torch was built with oneDNN."""
+    ``mode``; see :func:`onednn_packing`): bf16 only (torch's fp16 reorder needs AVX512-FP16 or
+    AVX-NE-CONVERT, and the fp32 panels beat oneDNN). Under "1" one small weight is packed first, so a
+    CPU or torch build oneDNN refuses is named now, not at the first weight."""
     mode = _mode("onednn_packed", mode, ONEDNN_PACKED_ENV, ONEDNN_PACKED_MODES)
-    if dtype != torch.bfloat16 or mode == "0":
+    if dtype != torch.bfloat16 or not onednn_packing(mode)[0]:
         return False
-    if mode == "auto":
-        return torch.backends.mkldnn.is_available() and onednn_runs_bf16(_cpu_flags())
-    try:  # "1": asked for, so a CPU or torch build oneDNN refuses is named now, not at the first weight
-        onednn_pack(torch.zeros(8, 8, dtype=dtype))
-    except (RuntimeError, AttributeError) as e:
-        raise ValueError(f"{ONEDNN_PACKED_ENV}=1: torch's oneDNN cannot pre-pack bf16 weights here ({e})") from e
+    if mode == "1":
+        try:
+            onednn_pack(torch.zeros(8, 8, dtype=dtype))
+        except (RuntimeError, AttributeError) as e:
+            raise ValueError(f"{ONEDNN_PACKED_ENV}=1: torch's oneDNN cannot pre-pack bf16 weights here ({e})") from e
     return True
 
 
@@ -210,22 +208,14 @@ def native_quant_max_rows(fmt: str) -> int:
 
 
 def onednn_packing_status() -> str:
-    """One line for ``plinth backends``: whether a bf16 model's weights get pre-packed for oneDNN
-    here, and why. Never raises (a bad :data:`ONEDNN_PACKED_ENV` value is named) and packs nothing."""
+    """:func:`onednn_packing`'s line for ``plinth backends`` under :data:`ONEDNN_PACKED_ENV`; a bad
+    value is named there (the probe never raises)."""
     mode = os.environ.get(ONEDNN_PACKED_ENV, "auto")
     if mode not in ONEDNN_PACKED_MODES:
         return (
             f"{ONEDNN_PACKED_ENV}={mode!r} is not one of {', '.join(ONEDNN_PACKED_MODES)}: a bf16 model will not start"
         )
-    if mode == "0":
-        return f"bf16 weights not pre-packed for oneDNN ({ONEDNN_PACKED_ENV}=0)"
-    if not torch.backends.mkldnn.is_available():
-        return "bf16 weights not pre-packed for oneDNN: torch was built without it"
-    if mode == "1":
-        return f"bf16 weights pre-packed for oneDNN ({ONEDNN_PACKED_ENV}=1)"
-    if onednn_runs_bf16(_cpu_flags()):
-        return "bf16 weights pre-packed for oneDNN (it has AVX512-BF16 or AMX-BF16 here)"
-    return "bf16 weights not pre-packed for oneDNN: it has no bf16 dot products here (or ONEDNN_MAX_CPU_ISA)"
+    return onednn_packing(mode)[1]
 
 
 class CpuGemm(GemmKernels):
@@ -234,11 +224,10 @@ class CpuGemm(GemmKernels):
 
     def __init__(self, dtype: torch.dtype, onednn_packed: str | None = None) -> None:
         self.dtype = dtype
-        self.onednn_packed = onednn_packs(dtype, onednn_packed)
+        mode = _mode("onednn_packed", onednn_packed, ONEDNN_PACKED_ENV, ONEDNN_PACKED_MODES)
+        self.onednn_packed = onednn_packs(dtype, mode)
         #: "1" asked for: pack whatever the memory; "auto": only while :data:`ONEDNN_PACK_RESERVE` holds
-        self.onednn_pack_always = (
-            self.onednn_packed and _mode("onednn_packed", onednn_packed, ONEDNN_PACKED_ENV, ONEDNN_PACKED_MODES) == "1"
-        )
+        self.onednn_pack_always = self.onednn_packed and mode == "1"
         self.onednn_unpacked = 0  # weights left unpacked for want of memory
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
@@ -255,7 +244,7 @@ class CpuGemm(GemmKernels):
         (always under "1"); the first weight refused says so in the log."""
         if self.onednn_pack_always:
             return True
-        available, total = host_memory()
+        available, total = host_memory_info()
         nbytes = w.numel() * w.element_size()
         if available - nbytes >= ONEDNN_PACK_RESERVE * total:
             return True

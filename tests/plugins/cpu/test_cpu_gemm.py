@@ -112,7 +112,7 @@ def test_packing_stops_where_the_copy_would_crowd_the_host(
     monkeypatch.setattr(gemm_mod, "onednn_pack", lambda w: OneDnnPacked(w))
     gib = 1 << 30
     available = [6 * gib]
-    monkeypatch.setattr(gemm_mod, "host_memory", lambda: (available[0], 8 * gib))
+    monkeypatch.setattr(gemm_mod, "host_memory_info", lambda: (available[0], 8 * gib))
     gemm = CpuGemm(torch.bfloat16, mode)
     assert gemm.onednn_packed
     w = torch.randn(64, 32)
