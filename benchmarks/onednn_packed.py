@@ -29,6 +29,15 @@ from plinth_cpu import native as native_mod
 from plinth_cpu.gemm import onednn_pack, onednn_packed_linear
 
 
+#: The column of the AVX512-BF16 pair-panel kernel (a bf16 model's few-row products where the CPU has it).
+PAIRS = "bf16 pairs"
+
+
+def calls_wanted(dtype: torch.dtype, nk: native_mod.NativeKernels) -> set[str]:
+    """The optional columns this run measures: the pair panels for bf16 weights where the CPU runs them."""
+    return {PAIRS} if dtype == torch.bfloat16 and nk.bf16_dot else set()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
@@ -59,8 +68,13 @@ def main() -> None:
         "F.linear": lambda x, i: F.linear(x, weights[i]),
         "oneDNN pre-packed": lambda x, i: onednn_packed_linear(x, packed[i], None),
     }
-    print("| rows | " + " | ".join(f"{c} GFLOP/s" for c in calls) + " | pre-packed / native | pre-packed / F.linear |")
-    print("|---" * (len(calls) + 3) + "|")
+    pairs = PAIRS in calls_wanted(dtype, nk)
+    if pairs:  # a bf16 model's weights on a CPU with AVX512-BF16: the dot-product kernel on pair panels
+        pair_panels = [nk.pack_bf16_pairs(w) for w in weights]
+        calls[PAIRS] = lambda x, i: nk.gemm_bf16_pairs(x, pair_panels[i], None, weights[i].shape[0], dtype)
+    extra = f" | {PAIRS} / pre-packed" if pairs else ""
+    print("| rows | " + " | ".join(f"{c} GFLOP/s" for c in calls) + f" | pre-packed / native | pre-packed / F.linear{extra} |")
+    print("|---" * (len(calls) + 3 + pairs) + "|")
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in SHAPES}}
         flops = sum(2 * m * w.numel() for w in weights)
@@ -74,6 +88,8 @@ def main() -> None:
         g = {name: flops / secs / 1e9 for name, secs in best.items()}
         p = g["oneDNN pre-packed"]
         cells = [f"{g[c]:.1f}" for c in calls] + [f"{p / g['native']:.2f}x", f"{p / g['F.linear']:.2f}x"]
+        if pairs:
+            cells.append(f"{g[PAIRS] / p:.2f}x")
         print(f"| {m} | " + " | ".join(cells) + " |")
     print(f"load after {os.getloadavg()[0]:.2f}")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -85,6 +85,14 @@ FUNCTIONS: dict[str, CFunction] = {
         15,
         "M",
     ),  # wt: 1 bf16, 2 fp16 panels
+    "plinth_bf16_dot": CFunction("int", "void"),  # 1: plinth_gemm_bf16_pairs runs here (AVX512-BF16)
+    "plinth_pack_bf16_pairs": CFunction("void", "const void *w, void *P, int64_t N, int64_t K"),
+    "plinth_gemm_bf16_pairs": CFunction(
+        "int",
+        "const void *x, int64_t sx, const void *P, const float *bias, int yt, void *y, int64_t M, int64_t N, int64_t K",
+        18,
+        "M",
+    ),  # yt: 0 fp32, 1 bf16 output
     "plinth_gemm_rows16": CFunction(
         "int",
         "int wt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K",

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from plinth.platform.backend import GemmKernels, LinearWeight, host_memory_info
 from plinth.platform.quant import QuantizedWeight
-from plinth_cpu.native import ELEMENT_TYPES, PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels
+from plinth_cpu.native import AVX512, ELEMENT_TYPES, PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels, choose_variant
 from plinth_cpu.preflight import _cpu_flags
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,19 @@ GROUPS_MODES = ("auto", "1", "0")
 #: (Zen 5 held to its AVX2 paths) at 66.3 output tok/s with oneDNN above 8 rows against 281.1 with the
 #: tiles throughout. ``PLINTH_CPU_16BIT_NATIVE_ROWS`` sets one bound for both dtypes.
 ROWS16_ENV = "PLINTH_CPU_16BIT_NATIVE_ROWS"
+#: ``LinearWeight.format`` of a bf16 model's weight laid out in 16-column pair panels for the native
+#: AVX512-BF16 dot-product kernel (:meth:`NativeKernels.gemm_bf16_pairs`).
+PAIRS = "bf16_pairs"
+#: "auto" (default): a bf16 model's weights go into pair panels where the native build runs AVX512-BF16
+#: dot products (:attr:`NativeKernels.bf16_dot`); "0": never (the row tiles and oneDNN as without them).
+PAIRS_ENV = "PLINTH_CPU_BF16_PAIRS"
+PAIRS_MODES = ("auto", "0")
+#: The default bound of the pair-panel kernel: every decode-sized product (the largest step-graph
+#: bucket), so a bf16 model's decode steps record in step graphs; above, oneDNN on its pre-packed copy.
+#: Measured (Zen 4, AVX512-BF16, no AMX; 2 threads; ``benchmarks/onednn_packed.py``, 30 SmolLM2-shaped
+#: layers from memory, GFLOP/s pairs / oneDNN pre-packed): 1 row 16.2 / 14.8, 4 rows 83.9 / 76.2, 8 rows
+#: 124 / 150, 16 rows 184 / 218, 32 rows 272 / 278, 64 rows 352 / 351, 128 rows 339 / 348.
+ROWS16_BF16_PAIRS = 64
 #: The default bound for a bf16 model where oneDNN has bf16 instructions to run; otherwise no bound.
 ROWS16_BF16_ONEDNN = 8
 #: ... where the weights are pre-packed for oneDNN (:data:`ONEDNN_PACKED_ENV`). Measured (Zen 5, as
@@ -218,6 +231,26 @@ def onednn_packing_status() -> str:
     return onednn_packing(mode)[1]
 
 
+def bf16_pairs_status() -> str:
+    """Whether a bf16 model's decode-sized products run the native AVX512-BF16 kernel on pair panels
+    (:data:`PAIRS_ENV`), in a line for ``plinth backends``; loads and compiles nothing, never raises."""
+    mode = os.environ.get(PAIRS_ENV, "auto")
+    if mode not in PAIRS_MODES:
+        return f"{PAIRS_ENV}={mode!r} is not one of {', '.join(PAIRS_MODES)}: a bf16 model will not start"
+    if mode == "0":
+        return f"bf16 models: no AVX512-BF16 dot-product kernel ({PAIRS_ENV}=0)"
+    if "avx512_bf16" not in (_cpu_flags() or set()):
+        return "bf16 models: no AVX512-BF16 dot-product kernel (the CPU has no AVX512-BF16)"
+    try:
+        variant, _ = choose_variant()
+    except ValueError as e:
+        return f"bf16 models: no AVX512-BF16 dot-product kernel ({e})"
+    if variant is not AVX512:
+        return f"bf16 models: no AVX512-BF16 dot-product kernel (the {variant.name} build is chosen)"
+    rows = os.environ.get(ROWS16_ENV, str(ROWS16_BF16_PAIRS))
+    return f"bf16 models: products of up to {rows} rows by the native AVX512-BF16 dot-product kernel (pair panels)"
+
+
 class CpuGemm(GemmKernels):
     """``x @ w.T + b`` in one compute dtype through torch's ``F.linear`` (the backend without native
     kernels, and the base of :class:`NativeGemm`)."""
@@ -312,6 +345,7 @@ class NativeGemm(CpuGemm):
         activations: str | None = None,
         quant_batched: str | None = None,
         onednn_packed: str | None = None,
+        bf16_pairs: str | None = None,
     ) -> None:
         super().__init__(dtype, onednn_packed)
         self.native = native
@@ -326,8 +360,13 @@ class NativeGemm(CpuGemm):
         rows16 = os.environ.get(ROWS16_ENV)
         if rows16 is not None and not rows16.isdigit():
             raise ValueError(f"{ROWS16_ENV}={rows16!r}: expected a row count (0: never the native tiles)")
+        pairs = _mode("bf16_pairs", bf16_pairs, PAIRS_ENV, PAIRS_MODES)
+        #: a bf16 model's weights in pair panels for the AVX512-BF16 kernel (dense [N, K] otherwise)
+        self.bf16_pairs = dtype == torch.bfloat16 and pairs == "auto" and native.bf16_dot
         if rows16 is not None:
             self.rows16_max_rows = int(rows16)
+        elif self.bf16_pairs:
+            self.rows16_max_rows = ROWS16_BF16_PAIRS
         elif dtype == torch.bfloat16 and onednn_runs_bf16(_cpu_flags()):
             self.rows16_max_rows = ROWS16_BF16_PACKED if self.onednn_packed else ROWS16_BF16_ONEDNN
         else:
@@ -353,6 +392,11 @@ class NativeGemm(CpuGemm):
         if self.dtype in PANEL16_DTYPES and prepared.bias is not None:
             prepared.data["bias_f32"] = prepared.bias.to(torch.float32)
         w = prepared.weight
+        if self.bf16_pairs and w is not None and prepared.in_features % 2 == 0:
+            # the pair panels replace the [N, K] weight: oneDNN's copy (when made) serves larger products
+            prepared.data["pairs"] = self.native.pack_bf16_pairs(w)
+            return LinearWeight(prepared.out_features, prepared.in_features, weight=None, bias=prepared.bias,
+                                format=PAIRS, data=prepared.data)  # fmt: skip
         if self.dtype != torch.float32 or w is None or prepared.in_features % 8:
             return prepared
         panels = self.native.pack_f32(w)  # [ceil(N/8), K, 8]
@@ -387,6 +431,8 @@ class NativeGemm(CpuGemm):
             return self._as_dtype(y, x.dtype)
         if weight.format in QUANT_FORMATS or weight.format == Q4_1X4:
             return self._linear_quantized(x, weight)
+        if weight.format == PAIRS:
+            return self._linear_pairs(x, weight)
         w = weight.weight
         if (
             w is not None
@@ -400,6 +446,23 @@ class NativeGemm(CpuGemm):
                 bias = weight.bias.to(torch.float32)
             return self._as_dtype(self.native.gemm_rows16(self._as_f32(x), w, bias), x.dtype)
         return super().linear(x, weight)
+
+    def _linear_pairs(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """A bf16 model's product over pair panels: the AVX512-BF16 kernel (a native call, recorded in
+        step graphs) up to :attr:`rows16_max_rows` rows, or at any count when the weight has no
+        oneDNN copy; above, oneDNN on its pre-packed copy. ``x`` of another dtype is rounded to bf16
+        first, as ``F.linear`` on the bf16 weight would need."""
+        dtype = x.dtype
+        packed = weight.data.get("onednn")
+        if packed is not None and x.shape[0] > self.rows16_max_rows:
+            return onednn_packed_linear(x.to(torch.bfloat16), packed, weight.bias).to(dtype)
+        if dtype != torch.bfloat16:
+            x = self.native.convert(self._as_f32(x), torch.bfloat16)
+        elif x.shape[1] > 1 and x.stride(1) != 1:
+            x = x.contiguous()
+        y = self.native.gemm_bf16_pairs(x, weight.data["pairs"], weight.data.get("bias_f32"), weight.out_features,
+                                        torch.float32 if dtype == torch.float32 else torch.bfloat16)  # fmt: skip
+        return y.to(dtype)
 
     def _linear_quantized(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         native = self.native

@@ -311,6 +311,42 @@ class NativeKernels:
             raise ValueError(f"the library took no {panels.dtype} panels")
         return y
 
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether :meth:`gemm_bf16_pairs` runs here: the AVX-512 build on a CPU with AVX512-BF16."""
+        return bool(self._lib.plinth_bf16_dot())
+
+    def pack_bf16_pairs(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` [N, K] (bf16, contiguous, K even) as 16-column pair panels ``[ceil(N/16), K/2, 16, 2]``:
+        panel ``p``, pair ``kp`` holds ``w[16p + j, 2kp + t]`` at ``[p, kp, j, t]`` (missing columns
+        zero), the layout :meth:`gemm_bf16_pairs` multiplies."""
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2 or not w.is_contiguous():
+            raise ValueError(f"pair panels take a contiguous bf16 [N, K] with K even, not {w.dtype} {tuple(w.shape)}")
+        N, K = w.shape
+        panels = huge_page_tensor(((N + 15) // 16, K // 2, 16, 2), torch.bfloat16)  # streamed every step
+        self.lib.plinth_pack_bf16_pairs(w.data_ptr(), panels.data_ptr(), N, K)
+        return panels
+
+    def gemm_bf16_pairs(
+        self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``x`` [M, K] (bf16, dense rows of any stride) @ w^T (+ ``bias``, fp32) for a weight of ``n``
+        rows laid out by :meth:`pack_bf16_pairs`, by AVX512-BF16 dot products -> [M, n] in ``dtype``
+        (fp32, or bf16: each fp32 sum rounded once). ValueError where the CPU lacks them (:attr:`bf16_dot`)."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+            raise ValueError(f"gemm_bf16_pairs takes bf16 [M, K] with dense rows, not {x.dtype} {tuple(x.shape)}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"gemm_bf16_pairs writes fp32 or bf16, not {dtype}")
+        M, K = x.shape
+        if panels.numel() != (n + 15) // 16 * 16 * K:
+            raise ValueError(f"pair panels of {panels.numel()} elements do not hold a {n} x {K} weight")
+        y = torch.empty(M, n, dtype=dtype)
+        if self.lib.plinth_gemm_bf16_pairs(x.data_ptr(), x.stride(0), panels.data_ptr(),
+                                           None if bias is None else bias.data_ptr(), ELEMENT_TYPES[dtype],
+                                           y.data_ptr(), M, n, K):  # fmt: skip
+            raise ValueError("gemm_bf16_pairs: this CPU or build has no AVX512-BF16 dot products")
+        return y
+
     def dequant_panels(self, fmt: str, blocks: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
         """The fp32 values of a ggml ``fmt`` weight [n, k] in the panels of :meth:`pack_f32`, into
         ``out`` (at least ``ceil(n/8) * 8 * k`` floats); returns the panels as ``[ceil(n/8), k, 8]``."""

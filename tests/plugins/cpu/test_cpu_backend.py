@@ -248,15 +248,15 @@ def test_gemm_float32_keeps_a_16bit_checkpoint_weight(
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gemm_half_precision_is_close_to_fp32(dtype: str) -> None:
-    """A half-precision GEMM keeps the weight in that dtype (with the native kernels: in 16-bit panels)
-    and stays near the fp32 result."""
+    """A half-precision GEMM keeps the weight in that dtype (dense, or in bf16 pair panels on a CPU with
+    AVX512-BF16) and stays near the fp32 result."""
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
     x = torch.randn(4, 64, generator=gen)
     gemm = CpuBackend().gemm_kernels(dtype)
     prepared = gemm.prepare(w, b)
     half = getattr(torch, dtype)
-    kept = prepared.weight if prepared.weight is not None else prepared.data["panels"]
+    kept = prepared.weight if prepared.weight is not None else prepared.data["pairs"]
     assert kept.dtype == half
     out = gemm.linear(x.to(half), prepared)
     assert out.dtype == half

@@ -1,4 +1,5 @@
-"""The cpu backend's GEMM: a bf16 model's weights pre-packed for oneDNN (``PLINTH_CPU_ONEDNN_PACKED``)."""
+"""The cpu backend's GEMM: a bf16 model's weights pre-packed for oneDNN (``PLINTH_CPU_ONEDNN_PACKED``) and in
+pair panels for the AVX512-BF16 kernel (``PLINTH_CPU_BF16_PAIRS``)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def test_bf16_products_run_on_the_packed_weight(monkeypatch: pytest.MonkeyPatch,
     nk = native()
     if native_kernels and nk is None:
         pytest.skip(native_status())
-    gemm = NativeGemm(torch.bfloat16, nk) if native_kernels and nk is not None else CpuGemm(torch.bfloat16)
+    # the dense [N, K] weight's path (a CPU with AVX512-BF16 takes pair panels instead: the test below)
+    native_gemm = native_kernels and nk is not None
+    gemm = NativeGemm(torch.bfloat16, nk, bf16_pairs="0") if native_gemm else CpuGemm(torch.bfloat16)
     gen = torch.Generator().manual_seed(m)
     w, b = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
     lw = gemm.prepare(w, b)
@@ -97,6 +100,75 @@ def test_bf16_products_run_on_the_packed_weight(monkeypatch: pytest.MonkeyPatch,
     assert y.dtype == torch.bfloat16 and y.shape == (m, 200) and not y.isnan().any()
     ref = F.linear(x.contiguous(), lw.weight, lw.bias)
     torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=5e-2)
+
+
+NK = native()
+#: This host runs the native AVX512-BF16 kernel (the loaded build has it and CPUID reports AVX512-BF16).
+PAIRS_HERE = NK is not None and NK.bf16_dot
+needs_pairs = pytest.mark.skipif(
+    not PAIRS_HERE, reason="no AVX512-BF16 dot products in the loaded native build on this CPU: " + native_status()
+)
+
+
+@needs_pairs
+@pytest.mark.parametrize("onednn", ["auto", "0"], ids=["with-onednn-copy", "pairs-only"])
+@pytest.mark.parametrize("m", [1, 5, 64, 65, 130])
+def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onednn: str, m: int) -> None:
+    """On a CPU with AVX512-BF16 a bf16 model's weights go into pair panels (no ``[N, K]`` copy is
+    kept): products up to ROWS16_BF16_PAIRS rows (every decode step graph bucket) run the native
+    kernel, larger ones oneDNN's pre-packed copy; without that copy the kernel takes every row
+    count. Either way the result is ``F.linear``'s on the bf16 weight within bf16 rounding, a strided
+    ``x`` with NaN between its rows included, and the bias in fp32."""
+    monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
+    monkeypatch.delenv("PLINTH_CPU_BF16_PAIRS", raising=False)
+    assert NK is not None
+    gemm = NativeGemm(torch.bfloat16, NK, onednn_packed=onednn)
+    assert gemm.bf16_pairs and gemm.rows16_max_rows == gemm_mod.ROWS16_BF16_PAIRS
+    gen = torch.Generator().manual_seed(m)
+    w, b = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    lw = gemm.prepare(w, b)
+    assert lw.format == gemm_mod.PAIRS and lw.weight is None and lw.data["pairs"].dtype == torch.bfloat16
+    assert ("onednn" in lw.data) == (onednn == "auto" and PACKS_HERE)
+    wide = torch.full((m, 250), float("nan"), dtype=torch.bfloat16)
+    wide[:, 3:99] = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+    x = wide[:, 3:99]
+    packed_calls: list[int] = []
+    real = gemm_mod.onednn_packed_linear
+
+    def spy(x: torch.Tensor, packed: OneDnnPacked, bias: torch.Tensor | None) -> torch.Tensor:
+        packed_calls.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(gemm_mod, "onednn_packed_linear", spy)
+    y = gemm.linear(x, lw)
+    onednn_rows = "onednn" in lw.data and m > gemm_mod.ROWS16_BF16_PAIRS
+    assert packed_calls == ([m] if onednn_rows else [])
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 200) and not y.isnan().any()
+    w16 = w.to(torch.bfloat16)
+    ref = F.linear(x.contiguous(), w16, b.to(torch.bfloat16))
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1.6e-2, atol=5e-2)
+    if not onednn_rows:  # the kernel's own sums: exact products in fp32 plus the fp32 bias, rounded once
+        exact = x.double() @ w16.double().T + b.to(torch.bfloat16).double()
+        torch.testing.assert_close(y.double(), exact.bfloat16().double(), rtol=1e-2, atol=2e-2)
+
+
+def test_pairs_switch_names_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PLINTH_CPU_BF16_PAIRS`` takes auto or 0; "0" keeps a bf16 model's weights ``[N, K]``, and
+    other dtypes never take pair panels."""
+    if NK is None:
+        pytest.skip(native_status())
+    monkeypatch.setenv("PLINTH_CPU_BF16_PAIRS", "yes")
+    with pytest.raises(ValueError, match="PLINTH_CPU_BF16_PAIRS='yes'"):
+        NativeGemm(torch.bfloat16, NK)
+    assert "is not one of auto, 0" in gemm_mod.bf16_pairs_status()
+    monkeypatch.setenv("PLINTH_CPU_BF16_PAIRS", "0")
+    g = NativeGemm(torch.bfloat16, NK)
+    assert not g.bf16_pairs and g.prepare(torch.randn(16, 8), None).format == "dense"
+    assert "PLINTH_CPU_BF16_PAIRS=0" in gemm_mod.bf16_pairs_status()
+    monkeypatch.delenv("PLINTH_CPU_BF16_PAIRS")
+    for dtype in (torch.float32, torch.float16):
+        assert not NativeGemm(dtype, NK).bf16_pairs
+    assert NativeGemm(torch.bfloat16, NK).bf16_pairs == NK.bf16_dot
 
 
 @pytest.mark.parametrize("mode", ["auto", "1"])

@@ -762,7 +762,9 @@ def test_engine_runs_a_16bit_model_natively_in_step_graphs(
     llm = LLM(backend="cpu", max_model_len=256, num_kv_blocks=64, quantization="none", dtype=dtype)
     layer = llm.engine.model.layers[0]
     assert isinstance(layer.self_attn.attn_kernels, NativeAttention)
-    assert layer.mlp.gate_up_proj.weight.weight.dtype == getattr(torch, dtype)  # dense, in the model's dtype
+    gate_up = layer.mlp.gate_up_proj.weight
+    held = gate_up.weight if gate_up.format == "dense" else gate_up.data["pairs"]  # pairs: bf16 with AVX512-BF16
+    assert held is not None and held.dtype == getattr(torch, dtype), gate_up.format  # in the model's dtype
     outs = llm.generate(prompts, params)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.stats.captures >= 1 and graphs.stats.eager == 0
@@ -1203,7 +1205,7 @@ def test_16bit_model_gemm_is_the_fp32_product_rounded_once(nk: NativeKernels, ha
     w, b = torch.randn(74, 96, generator=gen), torch.randn(74, generator=gen)
     wide = (torch.randn(m, 200, generator=gen) * 2).to(half)
     x = wide[:, 7:103]  # [m, 96], rows 200 apart
-    g16 = NativeGemm(half, nk, onednn_packed="0")  # the bound with oneDNN reordering per call
+    g16 = NativeGemm(half, nk, onednn_packed="0", bf16_pairs="0")  # the bound with oneDNN reordering per call
     lw = g16.prepare(w, b)
     assert lw.format == "dense" and lw.weight is not None and lw.weight.dtype == half
     onednn = half == torch.bfloat16 and gemm_mod.onednn_runs_bf16(gemm_mod._cpu_flags())
@@ -1246,8 +1248,12 @@ def test_bf16_model_native_rows_follow_the_cpu(
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
     if packed == "auto" and bound == 4 and not torch.backends.mkldnn.is_available():
         bound = 8  # a torch without oneDNN packs nothing
-    assert NativeGemm(torch.bfloat16, nk).rows16_max_rows == bound
+    assert NativeGemm(torch.bfloat16, nk, bf16_pairs="0").rows16_max_rows == bound
     assert NativeGemm(torch.float16, nk).rows16_max_rows == gemm_mod.UNBOUNDED
+    # with the AVX512-BF16 dot-product kernel (this CPU's own CPUID says) every decode-sized product is native
+    pairs = NativeGemm(torch.bfloat16, nk)
+    assert pairs.bf16_pairs == nk.bf16_dot
+    assert pairs.rows16_max_rows == (gemm_mod.ROWS16_BF16_PAIRS if nk.bf16_dot else bound)
 
 
 @needs_native
@@ -1260,7 +1266,7 @@ def test_16bit_model_gemm_rows_switch(nk: NativeKernels, monkeypatch: pytest.Mon
         with pytest.raises(ValueError, match="PLINTH_CPU_16BIT_NATIVE_ROWS='x'"):
             NativeGemm(torch.bfloat16, nk)
         return
-    g = NativeGemm(torch.bfloat16, nk, onednn_packed="0")  # above the bound: F.linear itself
+    g = NativeGemm(torch.bfloat16, nk, onednn_packed="0", bf16_pairs="0")  # above the bound: F.linear itself
     assert g.rows16_max_rows == int(rows)
     gen = torch.Generator().manual_seed(2)
     lw = g.prepare(torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen))
@@ -1344,3 +1350,95 @@ def test_16bit_model_attention_is_the_fp32_attention_rounded_once(nk: NativeKern
     untouched = torch.ones_like(cache, dtype=torch.bool)
     untouched[:, blk, :, off] = False
     assert torch.equal(cache[untouched].nan_to_num(), before[untouched].nan_to_num())
+
+
+# -- bf16 x bf16 on AVX512-BF16 dot products (pair panels) --------------------------------------------
+
+
+def _needs_bf16_dot(nk: NativeKernels) -> None:
+    """Skip, saying why, where ``nk`` cannot run the pair-panel kernel (the AVX2 build, or a CPU
+    without AVX512-BF16); the tests that run it say which build did in their ids."""
+    if not nk.bf16_dot:
+        pytest.skip(f"the {nk.variant.name} build on this CPU has no AVX512-BF16 dot products")
+
+
+@needs_native
+def test_bf16_pair_panels_hold_the_weight_pairs(nk: NativeKernels) -> None:
+    """Panel p, pair kp holds w[16p + j, 2kp + t] at [p, kp, j, t]; the last panel's missing columns
+    are zeros. The layout needs no AVX512-BF16 (it is made at load on any build)."""
+    gen = torch.Generator().manual_seed(40)
+    w = torch.randn(37, 24, generator=gen).bfloat16()
+    P = nk.pack_bf16_pairs(w)
+    assert P.shape == (3, 12, 16, 2) and P.dtype == torch.bfloat16
+    padded = torch.zeros(48, 24, dtype=torch.bfloat16)
+    padded[:37] = w
+    assert torch.equal(P, padded.view(3, 16, 12, 2).transpose(1, 2))
+    with pytest.raises(ValueError, match="K even"):
+        nk.pack_bf16_pairs(torch.zeros(4, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        nk.pack_bf16_pairs(torch.zeros(4, 8))
+
+
+@needs_native
+@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (3, 37, 24), (8, 100, 96), (9, 48, 8), (17, 200, 96), (64, 61, 130)])
+def test_bf16_pairs_gemm_sums_the_exact_products(nk: NativeKernels, threads: int, m: int, n: int, k: int) -> None:
+    """The pair-panel kernel: each output is the sum of the exact bf16 x bf16 products (fp32 sums,
+    off the float64 sum only by their rounding), plus the fp32 bias; the bf16 output is that fp32
+    result rounded once, as torch rounds. ``x`` is read in place from a strided view whose gaps hold
+    NaN. Covers every row-block size (1-8 and a 64-row batch) and strips of 1-3 panels with a
+    partial last panel."""
+    _needs_bf16_dot(nk)
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    wide = torch.full((m, k + 10), float("nan"), dtype=torch.bfloat16)
+    wide[:, 5 : 5 + k] = torch.randn(m, k, generator=gen).bfloat16()
+    x = wide[:, 5 : 5 + k]
+    P = nk.pack_bf16_pairs(w)
+    exact = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * k * 2.0**-24  # fp32 summation of k exact terms
+    y = nk.gemm_bf16_pairs(x, P, b, n, torch.float32)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert ((y.double() - b.double() - exact).abs() <= bound + 1e-6).all()
+    y16 = nk.gemm_bf16_pairs(x, P, b, n, torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
+    assert ((nk.gemm_bf16_pairs(x, P, None, n, torch.float32).double() - exact).abs() <= bound + 1e-6).all()
+
+
+@needs_native
+def test_bf16_pairs_gemm_records_and_replays_over_fewer_rows(recording: NativeKernels) -> None:
+    """The kernel is a step-graph call: replayed over fewer rows than recorded, the first rows are a
+    fresh call's and the rest keep their values."""
+    nk = recording
+    _needs_bf16_dot(nk)
+    gen = torch.Generator().manual_seed(41)
+    w, x = torch.randn(40, 64, generator=gen).bfloat16(), torch.randn(5, 64, generator=gen).bfloat16()
+    P = nk.pack_bf16_pairs(w)
+    nk.begin_recording()
+    y = nk.gemm_bf16_pairs(x, P, None, 40, torch.bfloat16)
+    graph = nk.end_recording()
+    assert graph.names == ["plinth_gemm_bf16_pairs"]
+    old = y.clone()
+    x.copy_(torch.randn(5, 64, generator=gen).bfloat16())
+    graph.replay(rows=3, captured=5)
+    assert torch.equal(y[:3], nk.gemm_bf16_pairs(x[:3], P, None, 40, torch.bfloat16))
+    assert torch.equal(y[3:], old[3:])
+
+
+@needs_native
+def test_bf16_pairs_gemm_refuses_what_it_cannot_run(nk: NativeKernels) -> None:
+    """Where the build or CPU has no AVX512-BF16 (the AVX2 build always) the call says so instead of
+    computing; everywhere, a non-bf16 ``x``, another output dtype or panels of another shape are named."""
+    P = nk.pack_bf16_pairs(torch.zeros(16, 8, dtype=torch.bfloat16))
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    if nk.variant.name == "avx2":
+        assert not nk.bf16_dot
+    if not nk.bf16_dot:
+        with pytest.raises(ValueError, match="no AVX512-BF16"):
+            nk.gemm_bf16_pairs(x, P, None, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="takes bf16"):
+        nk.gemm_bf16_pairs(x.float(), P, None, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="writes fp32 or bf16"):
+        nk.gemm_bf16_pairs(x, P, None, 16, torch.float16)
+    with pytest.raises(ValueError, match="do not hold a 17 x 8 weight"):
+        nk.gemm_bf16_pairs(x, P, None, 17, torch.bfloat16)

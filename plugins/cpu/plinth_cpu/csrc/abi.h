@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 15
+#define PLINTH_ABI_VERSION 16
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -22,6 +22,9 @@ void plinth_gemm_f32(const float *x, const float *w, const float *bias, float *y
 void plinth_pack_f32_panels(const float *w, float *P, int64_t N, int64_t K);
 void plinth_gemm_f32_panels(const float *x, const float *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int plinth_gemm_panels16(int wt, const float *x, const void *P, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
+int plinth_bf16_dot(void);
+void plinth_pack_bf16_pairs(const void *w, void *P, int64_t N, int64_t K);
+int plinth_gemm_bf16_pairs(const void *x, int64_t sx, const void *P, const float *bias, int yt, void *y, int64_t M, int64_t N, int64_t K);
 int plinth_gemm_rows16(int wt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int64_t plinth_q4_1x4_bytes(int64_t N, int64_t K);
@@ -60,6 +63,7 @@ enum {
     OP_GEMM_PANELS16 = 15,
     OP_CONVERT = 16,
     OP_GEMM_ROWS16 = 17,
+    OP_GEMM_BF16_PAIRS = 18,
 };
 
 /* Where an op of `kind` holds its row count in plinth_op.a; -1: the op has none. */
@@ -80,6 +84,7 @@ static int op_rows_arg(int64_t kind) {
     case OP_GEMM_PANELS16: return 5;
     case OP_CONVERT: return 5;
     case OP_GEMM_ROWS16: return 5;
+    case OP_GEMM_BF16_PAIRS: return 6;
     default: return -1;
     }
 }
@@ -131,6 +136,8 @@ static int run_op(const plinth_op *op) {
         return 0;
     case OP_GEMM_ROWS16:
         return plinth_gemm_rows16((int)op->a[0], (void *)(intptr_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (void *)(intptr_t)op->a[4], (int64_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7]) != 0;
+    case OP_GEMM_BF16_PAIRS:
+        return plinth_gemm_bf16_pairs((void *)(intptr_t)op->a[0], (int64_t)op->a[1], (void *)(intptr_t)op->a[2], (void *)(intptr_t)op->a[3], (int)op->a[4], (void *)(intptr_t)op->a[5], (int64_t)op->a[6], (int64_t)op->a[7], (int64_t)op->a[8]) != 0;
     default: return -1;
     }
 }

@@ -1170,6 +1170,164 @@ int plinth_gemm_panels16(int wt, const float *x, const void *P, const float *bia
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * bf16 x bf16 products with AVX512-BF16 dot products (a bf16 model's few-row products). A weight
+ * [N, K] (bf16, K even) is laid out once at load in 16-column pair panels P[ceil(N/16)][K/2][16][2]:
+ * one 64-byte vector of a panel holds 16 outputs' weights at k and k + 1, which vdpbf16ps
+ * multiplies by a broadcast pair (x[k], x[k + 1]) and adds to 16 fp32 sums, so a tile needs no
+ * horizontal sums and reads the weights as one sequential stream per panel. The products of two
+ * bf16 values are exact in fp32, so the sums differ from fp32 FMAs over the widened values only in
+ * the order of their additions (and in that the instruction flushes denormals). A tile is
+ * PAIRS_MR activation rows by PAIRS_NP adjacent panels (24 accumulators); a thread's items are
+ * strips of PAIRS_NP panels, its rows walked in blocks of PAIRS_MR over the strip, which stays in
+ * L2 between them. The build compiles this with the avx512bf16 target whatever its flags, and a
+ * call runs it only where CPUID reports AVX512-BF16 (plinth_bf16_dot).
+ */
+#define PAIRS_MR 8
+#define PAIRS_NP 3
+
+#if PLINTH_AVX512
+#include <cpuid.h>
+#define BF16_TARGET __attribute__((target("avx512bf16")))
+
+static int bf16_dot_probe(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
+    return (a >> 5) & 1; /* CPUID.(7,1):EAX bit 5: AVX512_BF16 */
+}
+
+typedef struct {
+    const uint16_t *x, *P;
+    int64_t sx;
+    const float *bias;
+    void *y;
+    int yt; /* W_F32 or W_BF16 */
+    int64_t M, N, K;
+} pairs_ctx;
+
+/* the 16 sums at column n0 (+ bias) stored as fp32 or rounded to bf16 (nearest even), only the real
+ * columns of a last panel */
+static inline __attribute__((always_inline)) BF16_TARGET void pairs_store(__m512 v, const pairs_ctx *c, int64_t m,
+                                                                          int64_t n0) {
+    int64_t N = c->N;
+    __mmask16 mask = n0 + 16 <= N ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    if (c->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c->bias + n0));
+    if (c->yt == W_BF16)
+        _mm256_mask_storeu_epi16((uint16_t *)c->y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    else
+        _mm512_mask_storeu_ps((float *)c->y + m * N + n0, mask, v);
+}
+
+/* mr activation rows (from m) by np panels (from panel q): constants where inlined */
+static inline __attribute__((always_inline)) BF16_TARGET void pairs_tile(int mr, int np, const pairs_ctx *c,
+                                                                         int64_t m, int64_t q, int pf) {
+    int64_t K = c->K, half = K / 2, pstride = K * 16;
+    const uint16_t *x = c->x + m * c->sx, *p = c->P + q * pstride;
+    __m512 acc[PAIRS_MR][PAIRS_NP];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < half; kp++) {
+        __m512bh b[PAIRS_NP];
+        for (int j = 0; j < np; j++) {
+            if (pf) _mm_prefetch((const char *)(p + j * pstride + kp * 32) + PANEL_PF_DIST, _MM_HINT_T0);
+            b[j] = (__m512bh)_mm512_loadu_si512(p + j * pstride + kp * 32);
+        }
+        for (int i = 0; i < mr; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * c->sx + 2 * kp, sizeof pair);
+            __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < np; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) pairs_store(acc[i][j], c, m + i, (q + j) * 16);
+}
+
+#define PAIRS_ROWS(np, pf)                                                                                   \
+    switch (mr) {                                                                                              \
+    case 8: pairs_tile(8, np, c, m, q, pf); break;                                                            \
+    case 7: pairs_tile(7, np, c, m, q, pf); break;                                                            \
+    case 6: pairs_tile(6, np, c, m, q, pf); break;                                                            \
+    case 5: pairs_tile(5, np, c, m, q, pf); break;                                                            \
+    case 4: pairs_tile(4, np, c, m, q, pf); break;                                                            \
+    case 3: pairs_tile(3, np, c, m, q, pf); break;                                                            \
+    case 2: pairs_tile(2, np, c, m, q, pf); break;                                                            \
+    default: pairs_tile(1, np, c, m, q, pf); break;                                                           \
+    }
+
+/* items are strips of PAIRS_NP panels (the last one maybe fewer) */
+static BF16_TARGET void gemm_pairs_range(void *p, int64_t begin, int64_t end) {
+    const pairs_ctx *c = (const pairs_ctx *)p;
+    int64_t panels = (c->N + 15) / 16, M = c->M;
+    for (int64_t s = begin; s < end; s++) {
+        int64_t q = s * PAIRS_NP, np = panels - q < PAIRS_NP ? panels - q : PAIRS_NP;
+        for (int64_t m = 0; m < M; m += PAIRS_MR) {
+            int64_t mr = M - m < PAIRS_MR ? M - m : PAIRS_MR;
+            /* the first row block reads the strip from memory: it prefetches ahead of its streams */
+            if (m == 0 && np == 3) { PAIRS_ROWS(3, 1) }
+            else if (np == 3) { PAIRS_ROWS(3, 0) }
+            else if (np == 2) { PAIRS_ROWS(2, 0) }
+            else { PAIRS_ROWS(1, 0) }
+        }
+    }
+}
+#undef PAIRS_ROWS
+#endif
+
+/* 1 where plinth_gemm_bf16_pairs runs: the AVX-512 build on a CPU with AVX512-BF16; else 0 */
+int plinth_bf16_dot(void) {
+#if PLINTH_AVX512
+    static int known = -1;
+    if (known < 0) known = bf16_dot_probe();
+    return known;
+#else
+    return 0;
+#endif
+}
+
+typedef struct {
+    const uint32_t *w; /* the weight's k pairs: [N][K / 2] */
+    uint32_t *P;
+    int64_t N, half;
+} pack_pairs_ctx;
+
+static void pack_pairs_range(void *p, int64_t begin, int64_t end) {
+    const pack_pairs_ctx *c = (const pack_pairs_ctx *)p;
+    for (int64_t q = begin; q < end; q++)
+        for (int j = 0; j < 16; j++) {
+            int64_t n = q * 16 + j;
+            uint32_t *dst = c->P + q * c->half * 16 + j;
+            if (n < c->N)
+                for (int64_t kp = 0; kp < c->half; kp++) dst[kp * 16] = c->w[n * c->half + kp];
+            else
+                for (int64_t kp = 0; kp < c->half; kp++) dst[kp * 16] = 0;
+        }
+}
+
+/* Lays out a bf16 weight [N, K] (K even) as pair panels P [ceil(N/16) * 16 * K] (missing columns zero). */
+void plinth_pack_bf16_pairs(const void *w, void *P, int64_t N, int64_t K) {
+    pack_pairs_ctx c = {(const uint32_t *)w, (uint32_t *)P, N, K / 2};
+    int64_t panels = (N + 15) / 16;
+    parallel_for(pack_pairs_range, &c, panels, grain_for(panels, 4));
+}
+
+/* y[M, N] = x[M, K] @ w^T + bias for a bf16 x (rows sx elements apart) and a weight laid out by
+ * plinth_pack_bf16_pairs, y fp32 (yt 0) or bf16 (yt 1, each fp32 sum rounded once), bias fp32 or
+ * NULL. -1 where this build or CPU has no AVX512-BF16, or for another yt. */
+int plinth_gemm_bf16_pairs(const void *x, int64_t sx, const void *P, const float *bias, int yt, void *y, int64_t M,
+                           int64_t N, int64_t K) {
+    if (!plinth_bf16_dot() || (yt != W_F32 && yt != W_BF16)) return -1;
+#if PLINTH_AVX512
+    pairs_ctx c = {(const uint16_t *)x, (const uint16_t *)P, sx, bias, y, yt, M, N, K};
+    int64_t strips = ((N + 15) / 16 + PAIRS_NP - 1) / PAIRS_NP;
+    parallel_for(gemm_pairs_range, &c, strips, grain_for(strips, 1));
+    return 0;
+#else
+    (void)x, (void)sx, (void)P, (void)bias, (void)y, (void)M, (void)N, (void)K;
+    return -1;
+#endif
+}
+
 
 /* ---------------------------------------------------------------------------------------------
  * Quantized GEMM. Activations are quantized to int8 per 32-block first (K a multiple of 32).
