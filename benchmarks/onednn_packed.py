@@ -28,7 +28,6 @@ from w16 import SHAPES, weight_stack
 from plinth_cpu import native as native_mod
 from plinth_cpu.gemm import onednn_pack, onednn_packed_linear
 
-
 #: The column of the AVX512-BF16 pair-panel kernel (a bf16 model's few-row products where the CPU has it).
 PAIRS = "bf16 pairs"
 
@@ -73,7 +72,11 @@ def main() -> None:
         pair_panels = [nk.pack_bf16_pairs(w) for w in weights]
         calls[PAIRS] = lambda x, i: nk.gemm_bf16_pairs(x, pair_panels[i], None, weights[i].shape[0], dtype)
     extra = f" | {PAIRS} / pre-packed" if pairs else ""
-    print("| rows | " + " | ".join(f"{c} GFLOP/s" for c in calls) + f" | pre-packed / native | pre-packed / F.linear{extra} |")
+    print(
+        "| rows | "
+        + " | ".join(f"{c} GFLOP/s" for c in calls)
+        + f" | pre-packed / native | pre-packed / F.linear{extra} |"
+    )
     print("|---" * (len(calls) + 3 + pairs) + "|")
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in SHAPES}}

@@ -50,7 +50,15 @@ import torch.nn.functional as F
 
 from plinth.platform.backend import GemmKernels, LinearWeight, host_memory_info
 from plinth.platform.quant import QuantizedWeight
-from plinth_cpu.native import AVX512, ELEMENT_TYPES, PANEL16_DTYPES, Q4_1X4, QUANT_FORMATS, NativeKernels, choose_variant
+from plinth_cpu.native import (
+    AVX512,
+    ELEMENT_TYPES,
+    PANEL16_DTYPES,
+    Q4_1X4,
+    QUANT_FORMATS,
+    NativeKernels,
+    choose_variant,
+)
 from plinth_cpu.preflight import _cpu_flags
 
 log = logging.getLogger(__name__)
