@@ -13,9 +13,13 @@ bytes. A bf16/fp16 model's weights stay ``[N, K]`` in its dtype: the native row 
 (``x`` widened and the fp32 product rounded once, by native calls a step graph records), in a bf16
 model on a CPU with AVX512-BF16 or AMX up to 4 rows and above that oneDNN's bf16 GEMM on a copy of
 the weight it reordered once at load (:data:`ONEDNN_PACKED_ENV`; 8 rows and ``F.linear`` without
-it), else at every row count (see :data:`ROWS16_ENV`). float64, and every dtype without native
-kernels, use ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2 hosts,
-so the weight is never pre-transposed.
+it), else at every row count (see :data:`ROWS16_ENV`). Where the native build runs AVX512-BF16 dot
+products, a bf16 model's weights are laid out instead in 16-column pair panels (format
+``"bf16_pairs"``, :data:`PAIRS_ENV`) for the native ``vdpbf16ps`` kernel, which takes every product
+up to 64 rows (so every decode step records in a step graph; on a CPU where oneDNN has AMX, only up to
+the row tiles' bound), oneDNN's pre-packed copy the larger ones. float64, and every dtype without
+native kernels, use ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2
+hosts, so the weight is never pre-transposed.
 
 Quantized weights keep their GGUF blocks' values (never dequantized at load). Few rows (decode; in
 4-row groups up to :data:`Q4_1X4_MAX_ROWS`): the native kernel unpacks each block in registers and
@@ -103,6 +107,19 @@ PAIRS_MODES = ("auto", "0")
 #: layers from memory, GFLOP/s pairs / oneDNN pre-packed): 1 row 16.2 / 14.8, 4 rows 83.9 / 76.2, 8 rows
 #: 124 / 150, 16 rows 184 / 218, 32 rows 272 / 278, 64 rows 352 / 351, 128 rows 339 / 348.
 ROWS16_BF16_PAIRS = 64
+
+
+def amx_bf16_onednn() -> bool:
+    """Whether torch's oneDNN runs bf16 GEMMs on AMX tiles here (AMX-BF16, not held below it by
+    ``ONEDNN_MAX_CPU_ISA``). There the pair panels keep the row tiles' bound (4 rows pre-packed, 8
+    not) rather than :data:`ROWS16_BF16_PAIRS`: oneDNN's AMX GEMM (about 2.8 TFLOP/s on the issue's
+    Intel host) is several times the AVX512-BF16 kernel's peak, and the two have not been measured
+    side by side on an AMX host."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_BELOW_BF16 | _ONEDNN_BELOW_AMX:
+        return False
+    return "amx_bf16" in (_cpu_flags() or set())
+
+
 #: The default bound for a bf16 model where oneDNN has bf16 instructions to run; otherwise no bound.
 ROWS16_BF16_ONEDNN = 8
 #: ... where the weights are pre-packed for oneDNN (:data:`ONEDNN_PACKED_ENV`). Measured (Zen 5, as
@@ -112,6 +129,8 @@ ROWS16_BF16_PACKED = 4
 UNBOUNDED = 1 << 62
 #: ``ONEDNN_MAX_CPU_ISA`` values below AVX512_CORE_BF16 (oneDNN then has no bf16 dot products).
 _ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+#: ... and the AVX-512 levels below AMX (oneDNN then multiplies bf16 without its tiles).
+_ONEDNN_BELOW_AMX = frozenset({"AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16"})
 
 
 def onednn_runs_bf16(flags: set[str] | None) -> bool:
@@ -255,6 +274,11 @@ def bf16_pairs_status() -> str:
         return f"bf16 models: no AVX512-BF16 dot-product kernel ({e})"
     if variant is not AVX512:
         return f"bf16 models: no AVX512-BF16 dot-product kernel (the {variant.name} build is chosen)"
+    if ROWS16_ENV not in os.environ and amx_bf16_onednn():
+        return (
+            "bf16 models: products of up to 4-8 rows by the native AVX512-BF16 dot-product kernel (pair panels), "
+            "larger ones by oneDNN's AMX GEMM"
+        )
     rows = os.environ.get(ROWS16_ENV, str(ROWS16_BF16_PAIRS))
     return f"bf16 models: products of up to {rows} rows by the native AVX512-BF16 dot-product kernel (pair panels)"
 
@@ -373,7 +397,7 @@ class NativeGemm(CpuGemm):
         self.bf16_pairs = dtype == torch.bfloat16 and pairs == "auto" and native.bf16_dot
         if rows16 is not None:
             self.rows16_max_rows = int(rows16)
-        elif self.bf16_pairs:
+        elif self.bf16_pairs and not amx_bf16_onednn():
             self.rows16_max_rows = ROWS16_BF16_PAIRS
         elif dtype == torch.bfloat16 and onednn_runs_bf16(_cpu_flags()):
             self.rows16_max_rows = ROWS16_BF16_PACKED if self.onednn_packed else ROWS16_BF16_ONEDNN

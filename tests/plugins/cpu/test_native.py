@@ -1216,6 +1216,24 @@ def test_16bit_model_gemm_is_the_fp32_product_rounded_once(nk: NativeKernels, ha
     assert torch.equal(nk.gemm_rows16(x.float(), w16, None), nk.gemm_f32(x.float(), w16.float(), None))
 
 
+def test_amx_is_named_where_onednn_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN multiplies bf16 on AMX tiles where the CPU has AMX-BF16 and ``ONEDNN_MAX_CPU_ISA`` does
+    not hold it below AMX; there the pair panels keep the row tiles' bound, and the backends line says so."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
+    monkeypatch.delenv("PLINTH_CPU_BF16_PAIRS", raising=False)
+    monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert gemm_mod.amx_bf16_onednn()
+    if native_mod.choose_variant()[0] is native_mod.AVX512:  # the status line names the kernel only there
+        assert "oneDNN's AMX GEMM" in gemm_mod.bf16_pairs_status()
+    for held in ("AVX512_CORE_BF16", "avx2"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", held)
+        assert not gemm_mod.amx_bf16_onednn()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert not gemm_mod.amx_bf16_onednn()
+
+
 def test_bf16_goes_to_onednn_only_where_it_has_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN's bf16 GEMM pays only with AVX512-BF16 or AMX-BF16 (held to AVX2 it ran at 38 GFLOP/s
     here): elsewhere, and where ONEDNN_MAX_CPU_ISA holds oneDNN below them, a bf16 model's products
@@ -1234,8 +1252,13 @@ def test_bf16_goes_to_onednn_only_where_it_has_bf16_instructions(monkeypatch: py
 @needs_native
 @pytest.mark.parametrize(
     "flags,packed,bound",
-    [({"avx2", "avx512_bf16"}, "auto", 4), ({"avx2", "avx512_bf16"}, "0", 8), ({"avx2", "fma"}, "auto", 1 << 62)],
-    ids=["bf16-packed", "bf16", "avx2"],
+    [
+        ({"avx2", "avx512_bf16"}, "auto", 4),
+        ({"avx2", "avx512_bf16"}, "0", 8),
+        ({"avx2", "fma"}, "auto", 1 << 62),
+        ({"avx2", "avx512_bf16", "amx_bf16", "amx_tile"}, "auto", 4),
+    ],
+    ids=["bf16-packed", "bf16", "avx2", "amx-packed"],
 )
 def test_bf16_model_native_rows_follow_the_cpu(
     nk: NativeKernels, monkeypatch: pytest.MonkeyPatch, flags: set[str], packed: str, bound: int
@@ -1253,7 +1276,9 @@ def test_bf16_model_native_rows_follow_the_cpu(
     # with the AVX512-BF16 dot-product kernel (this CPU's own CPUID says) every decode-sized product is native
     pairs = NativeGemm(torch.bfloat16, nk)
     assert pairs.bf16_pairs == nk.bf16_dot
-    assert pairs.rows16_max_rows == (gemm_mod.ROWS16_BF16_PAIRS if nk.bf16_dot else bound)
+    # ... but where oneDNN multiplies on AMX tiles, only up to the row tiles' bound
+    amx = "amx_bf16" in flags
+    assert pairs.rows16_max_rows == (gemm_mod.ROWS16_BF16_PAIRS if nk.bf16_dot and not amx else bound)
 
 
 @needs_native
