@@ -61,6 +61,27 @@ def test_packing_switch_names_bad_values_and_refusals(monkeypatch: pytest.Monkey
     assert not CpuGemm(torch.bfloat16).onednn_packed
 
 
+def _strided_between_nan(m: int, gen: torch.Generator) -> torch.Tensor:
+    """A bf16 ``x`` [m, 96] viewed in rows of 250 whose other elements are NaN (a GEMM that reads outside
+    the view, as issue 23's AMX host did, puts NaN in its result)."""
+    wide = torch.full((m, 250), float("nan"), dtype=torch.bfloat16)
+    wide[:, 3:99] = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+    return wide[:, 3:99]
+
+
+def _spy_packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of the products that run on oneDNN's pre-packed weight from now on."""
+    calls: list[int] = []
+    real = gemm_mod.onednn_packed_linear
+
+    def spy(x: torch.Tensor, packed: OneDnnPacked, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(gemm_mod, "onednn_packed_linear", spy)
+    return calls
+
+
 @needs_packing
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch-only"])
 @pytest.mark.parametrize("m", [1, 4, 5, 33, 130])
@@ -84,17 +105,8 @@ def test_bf16_products_run_on_the_packed_weight(monkeypatch: pytest.MonkeyPatch,
     assert lw.format == "dense" and lw.weight is not None and lw.weight.dtype == torch.bfloat16
     assert isinstance(lw.data["onednn"], OneDnnPacked)
     assert not isinstance(lw.data["onednn"], torch.Tensor)
-    wide = torch.full((m, 250), float("nan"), dtype=torch.bfloat16)
-    wide[:, 3:99] = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
-    x = wide[:, 3:99]
-    packed_calls: list[int] = []
-    real = gemm_mod.onednn_packed_linear
-
-    def spy(x: torch.Tensor, packed: OneDnnPacked, bias: torch.Tensor | None) -> torch.Tensor:
-        packed_calls.append(x.shape[0])
-        return real(x, packed, bias)
-
-    monkeypatch.setattr(gemm_mod, "onednn_packed_linear", spy)
+    x = _strided_between_nan(m, gen)
+    packed_calls = _spy_packed_calls(monkeypatch)
     y = gemm.linear(x, lw)
     assert packed_calls == ([] if native_kernels and m <= gemm_mod.ROWS16_BF16_PACKED else [m])
     assert y.dtype == torch.bfloat16 and y.shape == (m, 200) and not y.isnan().any()
@@ -129,17 +141,8 @@ def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onedn
     lw = gemm.prepare(w, b)
     assert lw.format == gemm_mod.PAIRS and lw.weight is None and lw.data["pairs"].dtype == torch.bfloat16
     assert ("onednn" in lw.data) == (onednn == "auto" and PACKS_HERE)
-    wide = torch.full((m, 250), float("nan"), dtype=torch.bfloat16)
-    wide[:, 3:99] = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
-    x = wide[:, 3:99]
-    packed_calls: list[int] = []
-    real = gemm_mod.onednn_packed_linear
-
-    def spy(x: torch.Tensor, packed: OneDnnPacked, bias: torch.Tensor | None) -> torch.Tensor:
-        packed_calls.append(x.shape[0])
-        return real(x, packed, bias)
-
-    monkeypatch.setattr(gemm_mod, "onednn_packed_linear", spy)
+    x = _strided_between_nan(m, gen)
+    packed_calls = _spy_packed_calls(monkeypatch)
     y = gemm.linear(x, lw)
     onednn_rows = "onednn" in lw.data and m > gemm_mod.ROWS16_BF16_PAIRS
     assert packed_calls == ([m] if onednn_rows else [])
