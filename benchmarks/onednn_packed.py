@@ -32,11 +32,6 @@ from plinth_cpu.gemm import onednn_pack, onednn_packed_linear
 PAIRS = "bf16 pairs"
 
 
-def calls_wanted(dtype: torch.dtype, nk: native_mod.NativeKernels) -> set[str]:
-    """The optional columns this run measures: the pair panels for bf16 weights where the CPU runs them."""
-    return {PAIRS} if dtype == torch.bfloat16 and nk.bf16_dot else set()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
@@ -67,7 +62,7 @@ def main() -> None:
         "F.linear": lambda x, i: F.linear(x, weights[i]),
         "oneDNN pre-packed": lambda x, i: onednn_packed_linear(x, packed[i], None),
     }
-    pairs = PAIRS in calls_wanted(dtype, nk)
+    pairs = dtype == torch.bfloat16 and nk.bf16_dot
     if pairs:  # a bf16 model's weights on a CPU with AVX512-BF16: the dot-product kernel on pair panels
         pair_panels = [nk.pack_bf16_pairs(w) for w in weights]
         calls[PAIRS] = lambda x, i: nk.gemm_bf16_pairs(x, pair_panels[i], None, weights[i].shape[0], dtype)

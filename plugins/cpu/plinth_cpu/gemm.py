@@ -115,9 +115,18 @@ def amx_bf16_onednn() -> bool:
     not) rather than :data:`ROWS16_BF16_PAIRS`: oneDNN's AMX GEMM (about 2.8 TFLOP/s on the issue's
     Intel host) is several times the AVX512-BF16 kernel's peak, and the two have not been measured
     side by side on an AMX host."""
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_BELOW_BF16 | _ONEDNN_BELOW_AMX:
+    if _onednn_max_isa() in _ONEDNN_BELOW_BF16 | _ONEDNN_BELOW_AMX:
         return False
     return "amx_bf16" in (_cpu_flags() or set())
+
+
+def pairs_max_rows(onednn_packed: bool) -> int:
+    """The most rows a bf16 model's products take on the pair kernel by default: :data:`ROWS16_BF16_PAIRS`,
+    or where oneDNN has AMX (:func:`amx_bf16_onednn`) the row tiles' bound (4 rows with ``onednn_packed``
+    weights, 8 without)."""
+    if amx_bf16_onednn():
+        return ROWS16_BF16_PACKED if onednn_packed else ROWS16_BF16_ONEDNN
+    return ROWS16_BF16_PAIRS
 
 
 #: The default bound for a bf16 model where oneDNN has bf16 instructions to run; otherwise no bound.
@@ -136,9 +145,14 @@ _ONEDNN_BELOW_AMX = frozenset({"AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_F
 def onednn_runs_bf16(flags: set[str] | None) -> bool:
     """Whether torch's oneDNN has bf16 dot products on a CPU with these /proc/cpuinfo ``flags``
     (AVX512-BF16 or AMX-BF16) and ``ONEDNN_MAX_CPU_ISA`` does not hold it below them."""
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_BELOW_BF16:
+    if _onednn_max_isa() in _ONEDNN_BELOW_BF16:
         return False
     return bool({"avx512_bf16", "amx_bf16"} & (flags or set()))
+
+
+def _onednn_max_isa() -> str:
+    """``ONEDNN_MAX_CPU_ISA`` as oneDNN reads it (upper case; "" when unset)."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
 
 
 #: A bf16 model's weights also reordered once at load into oneDNN's own blocked layout, for the
@@ -274,13 +288,14 @@ def bf16_pairs_status() -> str:
         return f"bf16 models: no AVX512-BF16 dot-product kernel ({e})"
     if variant is not AVX512:
         return f"bf16 models: no AVX512-BF16 dot-product kernel (the {variant.name} build is chosen)"
-    if ROWS16_ENV not in os.environ and amx_bf16_onednn():
-        return (
-            "bf16 models: products of up to 4-8 rows by the native AVX512-BF16 dot-product kernel (pair panels), "
-            "larger ones by oneDNN's AMX GEMM"
-        )
-    rows = os.environ.get(ROWS16_ENV, str(ROWS16_BF16_PAIRS))
-    return f"bf16 models: products of up to {rows} rows by the native AVX512-BF16 dot-product kernel (pair panels)"
+    packing = os.environ.get(ONEDNN_PACKED_ENV, "auto")
+    packed = packing in ONEDNN_PACKED_MODES and onednn_packing(packing)[0]
+    kernel = "the native AVX512-BF16 dot-product kernel (pair panels)"
+    if not packed:  # no oneDNN copy to hand larger products to
+        return f"bf16 models: products of every row count by {kernel}"
+    rows = os.environ.get(ROWS16_ENV, str(pairs_max_rows(packed)))
+    above = "oneDNN's AMX GEMM" if amx_bf16_onednn() else "oneDNN"
+    return f"bf16 models: products of up to {rows} rows by {kernel}, larger ones by {above} on its pre-packed copy"
 
 
 class CpuGemm(GemmKernels):
@@ -397,8 +412,8 @@ class NativeGemm(CpuGemm):
         self.bf16_pairs = dtype == torch.bfloat16 and pairs == "auto" and native.bf16_dot
         if rows16 is not None:
             self.rows16_max_rows = int(rows16)
-        elif self.bf16_pairs and not amx_bf16_onednn():
-            self.rows16_max_rows = ROWS16_BF16_PAIRS
+        elif self.bf16_pairs:
+            self.rows16_max_rows = pairs_max_rows(self.onednn_packed)
         elif dtype == torch.bfloat16 and onednn_runs_bf16(_cpu_flags()):
             self.rows16_max_rows = ROWS16_BF16_PACKED if self.onednn_packed else ROWS16_BF16_ONEDNN
         else:

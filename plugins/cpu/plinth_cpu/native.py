@@ -210,6 +210,8 @@ class NativeKernels:
             raise NativeBuildError(f"{path}: built for ISA level {lib.plinth_isa()}, expected {variant.name}'s")
         self.lib = lib
         self._lib = lib  # the library itself while self.lib records
+        #: whether :meth:`gemm_bf16_pairs` runs here: the AVX-512 build on a CPU with AVX512-BF16
+        self.bf16_dot = bool(lib.plinth_bf16_dot())
         self._calls: list[tuple[str, tuple[object, ...]]] = []
         self.set_num_threads(torch.get_num_threads())
 
@@ -310,11 +312,6 @@ class NativeKernels:
                                          None if bias is None else bias.data_ptr(), y.data_ptr(), M, n, K):  # fmt: skip
             raise ValueError(f"the library took no {panels.dtype} panels")
         return y
-
-    @property
-    def bf16_dot(self) -> bool:
-        """Whether :meth:`gemm_bf16_pairs` runs here: the AVX-512 build on a CPU with AVX512-BF16."""
-        return bool(self._lib.plinth_bf16_dot())
 
     def pack_bf16_pairs(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` [N, K] (bf16, contiguous, K even) as 16-column pair panels ``[ceil(N/16), K/2, 16, 2]``:
