@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -107,6 +107,8 @@ FUNCTIONS: dict[str, CFunction] = {
     ),
     "plinth_q4_1x4_bytes": CFunction("int64_t", "int64_t N, int64_t K"),
     "plinth_pack_q4_1x4": CFunction("void", "const void *w, void *out, int64_t N, int64_t K"),
+    "plinth_q4_1p16_bytes": CFunction("int64_t", "int64_t N, int64_t K"),
+    "plinth_pack_q4_1p16": CFunction("void", "const void *w, void *out, int64_t N, int64_t K"),
     "plinth_round_trip_q8": CFunction("void", "const float *x, float *out, int64_t M, int64_t K", 5, "M"),
     "plinth_gemm_dequant": CFunction(
         "int",

@@ -57,7 +57,9 @@ from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import (
     AVX512,
     ELEMENT_TYPES,
+    INT16_LAYOUTS,
     PANEL16_DTYPES,
+    Q4_1P16,
     Q4_1X4,
     QUANT_FORMATS,
     NativeKernels,
@@ -76,12 +78,15 @@ KEEP16_ENV = "PLINTH_CPU_KEEP_16BIT"
 #: Activation handling for quantized weights at few rows: "int16" (default), "fp32" or "int8".
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
 ACTIVATION_MODES = ("int16", "fp32", "int8")
-#: q4_1 weights under int16 activations: "1" laid out in 4-row groups, "0" kept in GGUF row order,
-#: "auto" (default) groups where the AVX-512 build runs. Measured (Zen 5, 2 threads, 30 cold layers,
-#: ``benchmarks/q4_1x4.py``): the AVX-512 build's grouped kernel 1.20x at 1 row, 1.5x at 4-16; the
-#: AVX2 build's 0.71-0.80x at 1 row (its two-half kernel keeps fewer reads in flight).
+#: q4_1 weights under int16 activations: "16" laid out in 16-row panels (``q4_1p16``, the AVX-512
+#: build only), "4" in 4-row groups (``q4_1x4``), "0" kept in GGUF row order; "auto" (default): 16-row
+#: panels where the AVX-512 build runs, GGUF order elsewhere. Measured (Zen 4, AVX-512 build, 2
+#: threads, 30 SmolLM2-shaped q4_1 layers from memory, ``benchmarks/q4_1_layouts.py``; GFLOP/s
+#: q4_1x4 / q4_1p16): see :data:`Q4_1X4_MAX_ROWS` and the cpu README. 4-row groups against GGUF order
+#: (Zen 5, ``benchmarks/q4_1_layouts.py``): the AVX-512 build's 1.20x at 1 row, 1.5x at 4-16; the AVX2
+#: build's 0.71-0.80x at 1 row (its two-half kernel keeps fewer reads in flight).
 GROUPS_ENV = "PLINTH_CPU_Q4_1_GROUPS"
-GROUPS_MODES = ("auto", "1", "0")
+GROUPS_MODES = ("auto", "16", "4", "0")
 
 #: A bf16 model's dense products up to this many rows run the native row tiles (x widened, the fp32
 #: product rounded once: recorded in step graphs); above, torch's ``F.linear`` (oneDNN's AVX512-BF16 /
@@ -257,7 +262,10 @@ Q4_1X4_MAX_ROWS = 64
 
 def native_quant_max_rows(fmt: str) -> int:
     """The most rows of a product the per-block kernel takes for a weight of ``LinearWeight.format``
-    ``fmt``: above, the weight is dequantized (3 rows at a time, or whole into panels)."""
+    ``fmt``: above, the weight is dequantized (3 rows at a time, or whole into panels). A q4_1p16
+    weight's kernel unpacks each block once for 4 rows at a time, so it takes every row count."""
+    if fmt == Q4_1P16:
+        return UNBOUNDED
     return Q4_1X4_MAX_ROWS if fmt == Q4_1X4 else NATIVE_QUANT_MAX_ROWS
 
 
@@ -400,10 +408,15 @@ class NativeGemm(CpuGemm):
         self._scratch16: torch.Tensor | None = None  # a bf16-dequantized weight of a batched product
         self.dequant_rows_max_rows = DEQUANT_ROWS_MAX_ROWS.get(native.variant.name, DEQUANT_ROWS_MAX_ROWS["avx2"])
         self.activations = activations = _mode("activations", activations, ACTIVATIONS_ENV, ACTIVATION_MODES)
-        # int16 activations take q4_1 weights in 4-row groups (NativeKernels.pack_q4_1x4) where that pays
+        # int16 activations take q4_1 weights in 16-row panels (NativeKernels.pack_q4_1p16) or 4-row
+        # groups (pack_q4_1x4) where that pays
         groups = _mode("groups", None, GROUPS_ENV, GROUPS_MODES)
-        wanted = native.variant.name == "avx512" if groups == "auto" else groups == "1"
-        self.group_q4_1 = activations == "int16" and wanted
+        if groups == "auto":
+            groups = "16" if native.variant is AVX512 else "0"
+        if groups == "16" and native.variant is not AVX512:
+            raise ValueError(f"{GROUPS_ENV}=16: 16-row q4_1 panels need the AVX-512 build, not {native.variant.name}")
+        #: the layout int16 activations take q4_1 weights in (None: GGUF order)
+        self.q4_1_layout = {"16": Q4_1P16, "4": Q4_1X4}.get(groups) if activations == "int16" else None
         rows16 = os.environ.get(ROWS16_ENV)
         if rows16 is not None and not rows16.isdigit():
             raise ValueError(f"{ROWS16_ENV}={rows16!r}: expected a row count (0: never the native tiles)")
@@ -454,18 +467,20 @@ class NativeGemm(CpuGemm):
         """Keep q4_1/q8_0 blocks (the bias in fp32); other formats are dequantized.
 
         With int16 activations (the default) and the AVX-512 build (``PLINTH_CPU_Q4_1_GROUPS``), a
-        q4_1 weight is laid out once in 4-row groups (format ``"q4_1x4"``, the same values: see
-        :meth:`NativeKernels.pack_q4_1x4`), which its few-row kernel reads with a third fewer
-        instructions; q8_0, and q4_1 otherwise, keep their GGUF blocks as they are. float64
+        q4_1 weight is laid out once in 16-row panels (format ``"q4_1p16"``, the same values: see
+        :meth:`NativeKernels.pack_q4_1p16`) for the VNNI kernel, which takes every row count, or on
+        request in 4-row groups (``"q4_1x4"``, :meth:`NativeKernels.pack_q4_1x4`); q8_0, and q4_1
+        otherwise, keep their GGUF blocks as they are. float64
         dequantizes too (exactly: the blocks' values are fp32 numbers): the native kernels multiply
         and accumulate in fp32, an fp32 result in a float64 GEMM (conformance 1.3 found it)."""
         if weight.format not in QUANT_FORMATS or self.dtype == torch.float64:
             return super().prepare_quantized(weight, bias)
         b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
         n, k = weight.out_features, weight.in_features
-        if weight.format == "q4_1" and self.group_q4_1:
-            packed = self.native.pack_q4_1x4(weight.blocks, n, k)
-            return LinearWeight(n, k, weight=None, bias=b, format=Q4_1X4, data={"blocks": packed})
+        if weight.format == "q4_1" and self.q4_1_layout is not None:
+            pack = self.native.pack_q4_1p16 if self.q4_1_layout == Q4_1P16 else self.native.pack_q4_1x4
+            packed = pack(weight.blocks, n, k)
+            return LinearWeight(n, k, weight=None, bias=b, format=self.q4_1_layout, data={"blocks": packed})
         blocks = weight.blocks.contiguous()
         return LinearWeight(n, k, weight=None, bias=b, format=weight.format, data={"blocks": blocks})
 
@@ -476,7 +491,7 @@ class NativeGemm(CpuGemm):
             gemm = self.native.gemm_f32_panels if weight.format == PANELS else self.native.gemm_panels16
             y = gemm(self._as_f32(x), weight.data["panels"], weight.bias, weight.out_features)
             return self._as_dtype(y, x.dtype)
-        if weight.format in QUANT_FORMATS or weight.format == Q4_1X4:
+        if weight.format in QUANT_FORMATS or weight.format in INT16_LAYOUTS:
             return self._linear_quantized(x, weight)
         if weight.format == PAIRS:
             return self._linear_pairs(x, weight)
@@ -517,10 +532,10 @@ class NativeGemm(CpuGemm):
         blocks = weight.data["blocks"]
         n = weight.out_features
         m = x.shape[0]
-        if m <= native_quant_max_rows(weight.format):
-            y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n, activations=self.activations)
-        elif self.quant_batched == "bf16" and m >= QUANT_BF16_MIN_ROWS and self.activations != "int8":
+        if self.quant_batched == "bf16" and m >= QUANT_BF16_MIN_ROWS and self.activations != "int8":
             y = self._linear_bf16(xf, weight)  # in bf16 through oneDNN
+        elif m <= native_quant_max_rows(weight.format):
+            y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n, activations=self.activations)
         else:  # fp32 activations, or int8 as in the few-row path
             if self.activations == "int8":
                 xf = native.round_trip_q8(xf)

@@ -70,9 +70,18 @@ QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (
 #: The library's own layout of a q4_1 weight in 4-row groups (``csrc/kernels.c``, "Q4_1 in 4-row
 #: groups"), made at load by :meth:`NativeKernels.pack_q4_1x4`, for int16 activations.
 Q4_1X4 = "q4_1x4"
+#: ... in 16-row panels (``csrc/kernels.c``, "q4_1 in 16-row panels"), made at load by
+#: :meth:`NativeKernels.pack_q4_1p16`, for int16 activations on VNNI dot products (the AVX-512 build).
+Q4_1P16 = "q4_1p16"
+#: The library's own q4_1 layouts, which take int16 activations only.
+INT16_LAYOUTS = frozenset({Q4_1X4, Q4_1P16})
 
-#: Weight layouts the quantized entry points take: name -> code (the ggml formats, and q4_1x4).
-BLOCK_LAYOUTS: dict[str, int] = {**{name: code for name, (code, _, _) in QUANT_FORMATS.items()}, Q4_1X4: 2}
+#: Weight layouts the quantized entry points take: name -> code (the ggml formats, and the library's).
+BLOCK_LAYOUTS: dict[str, int] = {
+    **{name: code for name, (code, _, _) in QUANT_FORMATS.items()},
+    Q4_1X4: 2,
+    Q4_1P16: 3,
+}
 
 #: Activation handling of ``plinth_gemm_quant``: name -> code.
 ACTIVATIONS: dict[str, int] = {"fp32": 0, "int8": 1, "int16": 2}
@@ -368,8 +377,10 @@ class NativeKernels:
         and multiply in integers: both about 1.5x faster than fp32 here; int8 is llama.cpp's scheme."""
         M, K = x.shape
         y = torch.empty(M, n, dtype=torch.float32)
-        if fmt == Q4_1X4 and activations != "int16":
-            raise ValueError(f"a {Q4_1X4} weight takes int16 activations, not {activations}")
+        if fmt in INT16_LAYOUTS and activations != "int16":
+            raise ValueError(f"a {fmt} weight takes int16 activations, not {activations}")
+        if fmt == Q4_1P16 and self.variant is not AVX512:
+            raise ValueError(f"a {Q4_1P16} weight needs the AVX-512 build, not {self.variant.name}")
         code = BLOCK_LAYOUTS[fmt]
         bias_ptr = None if bias is None else bias.data_ptr()
         if self.lib.plinth_gemm_quant(
@@ -390,6 +401,22 @@ class NativeKernels:
         if out.data_ptr() % 64:  # the kernel's aligned loads; torch's CPU allocator aligns to 64 bytes
             raise MemoryError("the allocator gave a q4_1x4 weight memory not aligned to 64 bytes")
         self.lib.plinth_pack_q4_1x4(src.data_ptr(), out.data_ptr(), n, k)
+        return out
+
+    def pack_q4_1p16(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """A q4_1 weight [n, k] (its GGUF blocks, row after row) laid out in 16-row panels for the
+        AVX-512 build's int16 VNNI kernel (format ``"q4_1p16"``, any row count; every other quantized
+        entry point takes it too): the same 20 bytes per 32 values, zero rows filling a last panel
+        where n is not a multiple of 16. ``blocks`` may be freed afterwards."""
+        if self.variant is not AVX512:
+            raise ValueError(f"{Q4_1P16} weights need the AVX-512 build (VNNI), not {self.variant.name}")
+        if k % 32 or blocks.numel() * blocks.element_size() != n * (k // 32) * QUANT_FORMATS["q4_1"][2]:
+            raise ValueError(f"{blocks.numel() * blocks.element_size()} bytes are not the q4_1 blocks of {n} x {k}")
+        src = blocks.contiguous()
+        out = torch.empty(int(self.lib.plinth_q4_1p16_bytes(n, k)), dtype=torch.uint8)
+        if out.data_ptr() % 64:  # the kernel's aligned loads
+            raise MemoryError("the allocator gave a q4_1p16 weight memory not aligned to 64 bytes")
+        self.lib.plinth_pack_q4_1p16(src.data_ptr(), out.data_ptr(), n, k)
         return out
 
     def gemm_dequant(

@@ -99,7 +99,7 @@ def test_a_quantized_gguf_splits_on_block_boundaries_and_keeps_its_blocks(caplog
         llm = LLM(tensor_parallel_size=3, **engine)
     try:
         assert "dequantized" not in caplog.text
-        kept = ("q4_1", "q4_1x4")  # the blocks' values kept (the cpu backend groups q4_1 rows in fours)
+        kept = ("q4_1", "q4_1p16")  # the blocks' values kept (the cpu backend lays q4_1 rows out in 16-row panels)
         assert llm.engine.model.layers[0].self_attn.o_proj.weight.format in kept
         _compare(llm.generate(texts, params), want, QUANT_LOGPROB_TOL)
     finally:

@@ -200,9 +200,10 @@ def test_pack_f32_layout(nk: NativeKernels, threads: int) -> None:
 @pytest.mark.parametrize("k", [96, 128])  # 3 and 4 blocks a row: the AVX-512 build's pair loop and its odd block
 def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: int, activations: str) -> None:
     """fp32 activations: the dequantized weight's product. int16/int8 activations (int16 on the
-    few-row path only): within the rounding bound. On every path (few rows: per-block kernel, up to
-    64 rows for q4_1 in 4-row groups; more: dequantized rows, or panels, from 17 rows on the AVX-512
-    build and 65 on AVX2), and a row's result does not depend on the batch size beyond that."""
+    per-block kernels only): within the rounding bound. On every path (few rows: per-block kernel,
+    q4_1 in 16-row panels at every row count under the AVX-512 build; more: dequantized rows, or
+    panels, from 17 rows on the AVX-512 build and 65 on AVX2), and a row's result does not depend on
+    the batch size beyond that."""
     gen = torch.Generator().manual_seed(7)
     n = 40
     qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
@@ -211,9 +212,9 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
     x = torch.randn(m, k, generator=gen)
     gemm = NativeGemm(torch.float32, nk, activations=activations)
     prepared = gemm.prepare_quantized(qw, b)
-    # laid out in 4-row groups (the same values) where the AVX-512 build runs
+    # laid out in 16-row panels (the same values) where the AVX-512 build runs
     grouped = fmt == "q4_1" and activations == "int16" and nk.variant.name == "avx512"
-    assert prepared.format == ("q4_1x4" if grouped else fmt) and prepared.weight is None  # never dequantized
+    assert prepared.format == ("q4_1p16" if grouped else fmt) and prepared.weight is None  # never dequantized
     y = gemm.linear(x, prepared)
     ref = F.linear(x.double(), w.double(), b.double()).float()
     row = gemm.linear(x[:1], prepared)
@@ -232,44 +233,65 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
         assert ((y[:1] - row).abs() <= bound).all()  # row alone: int16 path
 
 
+#: The library's own q4_1 layouts: name -> (bytes of an [n, k] weight, the builds that multiply it).
+LAYOUTS = {
+    "q4_1x4": (lambda n, k: (n + 3) // 4 * ((k // 32 * 80 + 63) // 64 * 64), ("avx2", "avx512")),
+    "q4_1p16": (lambda n, k: (n + 15) // 16 * (k // 32) * 320, ("avx512",)),
+}
+
+
+def _pack(nk: NativeKernels, layout: str, qw: QuantizedWeight) -> torch.Tensor:
+    """``qw`` in ``layout``; the test skips, saying so, on a build without its kernel."""
+    if nk.variant.name not in LAYOUTS[layout][1]:
+        pytest.skip(f"the {nk.variant.name} build has no {layout} kernel")
+    n, k = qw.out_features, qw.in_features
+    return nk.pack_q4_1p16(qw.blocks, n, k) if layout == "q4_1p16" else nk.pack_q4_1x4(qw.blocks, n, k)
+
+
 @needs_native
-@pytest.mark.parametrize("n", [1, 6, 13, 64, 100, 1040])  # a last group of 1-3 rows; 4-group streams and leftovers
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("n", [1, 6, 13, 17, 64, 100, 1040])  # partial groups and panels; streams and leftovers
 @pytest.mark.parametrize("k", [32, 96, 1536])  # 1, 3 and 48 blocks a row (a group of 3 blocks: padded stride)
-def test_q4_1x4_holds_the_gguf_values(nk: NativeKernels, threads: int, n: int, k: int) -> None:
-    """The 4-row layout holds each row's values exactly: every dequantizing entry point (whole, in
-    panels, the many-row GEMM) gives the GGUF blocks' results bit for bit."""
+def test_q4_1_layouts_hold_the_gguf_values(nk: NativeKernels, threads: int, layout: str, n: int, k: int) -> None:
+    """The 4-row groups and the 16-row panels hold each row's values exactly: every dequantizing
+    entry point (whole, in panels, the many-row GEMM) gives the GGUF blocks' results bit for bit."""
     gen = torch.Generator().manual_seed(n * 7 + k)
     qw = _q4_1(n, k, gen)
-    packed = nk.pack_q4_1x4(qw.blocks, n, k)
-    assert packed.numel() == (n + 3) // 4 * ((k // 32 * 80 + 63) // 64 * 64) and packed.data_ptr() % 64 == 0
-    assert torch.equal(nk.dequant("q4_1x4", packed, n, k), nk.dequant("q4_1", qw.blocks, n, k))
+    packed = _pack(nk, layout, qw)
+    assert packed.numel() == LAYOUTS[layout][0](n, k) and packed.data_ptr() % 64 == 0
+    assert torch.equal(nk.dequant(layout, packed, n, k), nk.dequant("q4_1", qw.blocks, n, k))
     assert torch.equal(nk.dequant("q4_1", qw.blocks, n, k), dequantize(qw))
     size = (n + 7) // 8 * 8 * k
     want = nk.dequant_panels("q4_1", qw.blocks, n, k, torch.empty(size))
-    assert torch.equal(nk.dequant_panels("q4_1x4", packed, n, k, torch.empty(size)), want)
+    assert torch.equal(nk.dequant_panels(layout, packed, n, k, torch.empty(size)), want)
     x = torch.randn(NATIVE_QUANT_MAX_ROWS + 5, k, generator=gen)
-    assert torch.equal(nk.gemm_dequant("q4_1x4", x, packed, None, n), nk.gemm_dequant("q4_1", x, qw.blocks, None, n))
+    assert torch.equal(nk.gemm_dequant(layout, x, packed, None, n), nk.gemm_dequant("q4_1", x, qw.blocks, None, n))
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 2, 7, NATIVE_QUANT_MAX_ROWS])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("m", [1, 2, 3, 7, NATIVE_QUANT_MAX_ROWS, 133])  # q4_1p16: 1-4 row tiles, 128-row chunks
 @pytest.mark.parametrize("n", [5, 13, 64, 100, 1040])
 @pytest.mark.parametrize("k", [32, 96, 1536])
-def test_q4_1x4_gemm_matches_the_row_kernel(nk: NativeKernels, threads: int, m: int, n: int, k: int) -> None:
-    """The few-row kernel over 4-row groups: the same int16 activations and exact integer block sums
-    as the GGUF-order kernel, so the two agree up to fp32 rounding; within the rounding bound of the
-    dequantized product; and a row's result does not depend on the batch it is in."""
+def test_q4_1_layouts_gemm_matches_the_row_kernel(
+    nk: NativeKernels, threads: int, layout: str, m: int, n: int, k: int
+) -> None:
+    """The int16 kernels over 4-row groups and 16-row panels: the same int16 activations and exact
+    integer block sums as the GGUF-order kernel, so they agree up to fp32 rounding; within the
+    rounding bound of the dequantized product; and a row's result does not depend on the batch it is
+    in."""
     gen = torch.Generator().manual_seed(m * 1000 + n * 7 + k)
     qw, b = _q4_1(n, k, gen), torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4  # blocks of unlike magnitudes
-    packed = nk.pack_q4_1x4(qw.blocks, n, k)
-    got = nk.gemm_quant("q4_1x4", x, packed, b, n, "int16")
+    packed = _pack(nk, layout, qw)
+    got = nk.gemm_quant(layout, x, packed, b, n, "int16")
     rows = nk.gemm_quant("q4_1", x, qw.blocks, b, n, "int16")
     torch.testing.assert_close(got, rows, rtol=2e-6 * k**0.5, atol=2e-6 * k**0.5)
     w = dequantize(qw)
     ref = F.linear(x.double(), w.double(), b.double()).float()
     assert ((got - ref).abs() <= _activation_error_bound(x, w, levels=32767)).all()
-    assert torch.equal(nk.gemm_quant("q4_1x4", x[-1:], packed, b, n, "int16"), got[-1:])
+    assert torch.equal(nk.gemm_quant(layout, x[-1:], packed, b, n, "int16"), got[-1:])
+    assert torch.equal(nk.gemm_quant(layout, x[:1], packed, None, n, "int16") + b, got[:1])  # the bias added once
 
 
 @needs_native
@@ -293,36 +315,61 @@ def test_q4_1x4_builds_agree_bit_for_bit(threads: int) -> None:
 
 
 @needs_native
-def test_q4_1x4_takes_int16_activations_only(nk: NativeKernels) -> None:
-    """The grouped layout has one kernel (int16): other activations are a clear error, not garbage."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_q4_1_layouts_take_int16_activations_only(nk: NativeKernels, layout: str) -> None:
+    """The library's layouts have one kernel each (int16): other activations are a clear error, not
+    garbage; so are blocks of another shape."""
     qw = _q4_1(8, 64, torch.Generator().manual_seed(0))
-    packed = nk.pack_q4_1x4(qw.blocks, 8, 64)
-    with pytest.raises(ValueError, match="q4_1x4 weight takes int16 activations, not int8"):
-        nk.gemm_quant("q4_1x4", torch.randn(1, 64), packed, None, 8, "int8")
+    packed = _pack(nk, layout, qw)
+    with pytest.raises(ValueError, match=f"{layout} weight takes int16 activations, not int8"):
+        nk.gemm_quant(layout, torch.randn(1, 64), packed, None, 8, "int8")
+    pack = nk.pack_q4_1p16 if layout == "q4_1p16" else nk.pack_q4_1x4
     with pytest.raises(ValueError, match="are not the q4_1 blocks of 8 x 96"):
-        nk.pack_q4_1x4(qw.blocks, 8, 96)
+        pack(qw.blocks, 8, 96)
+
+
+@needs_native
+def test_q4_1p16_needs_the_avx512_build() -> None:
+    """The AVX2 build has no VNNI kernel for 16-row panels: packing for it, multiplying with it and
+    asking for the layout are errors that say so (runs where the AVX2 build loads: every x86 host)."""
+    kernels = _kernels("avx2")
+    qw = _q4_1(16, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="q4_1p16 weights need the AVX-512 build"):
+        kernels.pack_q4_1p16(qw.blocks, 16, 64)
+    with pytest.raises(ValueError, match="a q4_1p16 weight needs the AVX-512 build, not avx2"):
+        kernels.gemm_quant("q4_1p16", torch.randn(1, 64), torch.zeros(320, dtype=torch.uint8), None, 16, "int16")
+    gemm = NativeGemm(torch.float32, kernels)
+    assert gemm.q4_1_layout is None  # auto: GGUF order on the AVX2 build
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLINTH_CPU_Q4_1_GROUPS", "16")
+        with pytest.raises(ValueError, match="PLINTH_CPU_Q4_1_GROUPS=16: 16-row q4_1 panels need the AVX-512 build"):
+            NativeGemm(torch.float32, kernels)
 
 
 @needs_native
 def test_q4_1_groups_follow_the_build_and_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PLINTH_CPU_Q4_1_GROUPS``: "auto" (default) groups q4_1 rows under the AVX-512 build only
-    (measured: the AVX2 build's grouped kernel is slower from memory), "1" always, "0" never; fp32 and
-    int8 activations keep GGUF order; a bad value is named. Grouped or not, the results agree up to fp32
-    rounding."""
+    """``PLINTH_CPU_Q4_1_GROUPS``: "auto" (default) lays q4_1 rows out in 16-row panels under the
+    AVX-512 build and keeps GGUF order under AVX2 (its 4-row kernel is slower from memory), "16"
+    panels, "4" 4-row groups, "0" GGUF order; fp32 and int8 activations keep GGUF order; a bad value
+    is named. Whatever the layout, the results agree up to fp32 rounding."""
     gen = torch.Generator().manual_seed(3)
     qw, x = _q4_1(40, 96, gen), torch.randn(2, 96, generator=gen)
+    avx512 = nk.variant.name == "avx512"
     monkeypatch.delenv("PLINTH_CPU_Q4_1_GROUPS", raising=False)
-    assert NativeGemm(torch.float32, nk).group_q4_1 == (nk.variant.name == "avx512")
-    monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", "1")
-    grouped = NativeGemm(torch.float32, nk)
-    assert [NativeGemm(torch.float32, nk, activations=a).group_q4_1 for a in ("fp32", "int8")] == [False, False]
-    monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", "0")
-    plain = NativeGemm(torch.float32, nk)
-    a, b = grouped.prepare_quantized(qw, None), plain.prepare_quantized(qw, None)
-    assert (a.format, b.format) == ("q4_1x4", "q4_1")
-    torch.testing.assert_close(grouped.linear(x, a), plain.linear(x, b), rtol=1e-5, atol=1e-5)
+    assert NativeGemm(torch.float32, nk).q4_1_layout == ("q4_1p16" if avx512 else None)
+    gemms = {}
+    for mode in ("16", "4", "0") if avx512 else ("4", "0"):
+        monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", mode)
+        gemms[mode] = NativeGemm(torch.float32, nk)
+        assert [NativeGemm(torch.float32, nk, activations=a).q4_1_layout for a in ("fp32", "int8")] == [None, None]
+    prepared = {mode: g.prepare_quantized(qw, None) for mode, g in gemms.items()}
+    want = {"16": "q4_1p16", "4": "q4_1x4", "0": "q4_1"}
+    assert {mode: p.format for mode, p in prepared.items()} == {mode: want[mode] for mode in gemms}
+    plain = gemms["0"].linear(x, prepared["0"])
+    for mode, g in gemms.items():
+        torch.testing.assert_close(g.linear(x, prepared[mode]), plain, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", "yes")
-    with pytest.raises(ValueError, match="PLINTH_CPU_Q4_1_GROUPS='yes': expected one of auto, 1, 0"):
+    with pytest.raises(ValueError, match="PLINTH_CPU_Q4_1_GROUPS='yes': expected one of auto, 16, 4, 0"):
         NativeGemm(torch.float32, nk)
 
 
@@ -355,7 +402,7 @@ def test_dequant_matches_reference(nk: NativeKernels, fmt: str) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1x4"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1x4", "q4_1p16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dequant_to_16_bits_rounds_as_torch(nk: NativeKernels, threads: int, fmt: str, dtype: torch.dtype) -> None:
     """Dequantized into a 16-bit tensor: the fp32 values rounded as ``Tensor.to`` rounds, bit for bit
@@ -363,7 +410,7 @@ def test_dequant_to_16_bits_rounds_as_torch(nk: NativeKernels, threads: int, fmt
     gen = torch.Generator().manual_seed(4)
     n, k = 22, 128
     qw = _q4_1(n, k, gen) if fmt != "q8_0" else quantize_q8_0(torch.randn(n, k, generator=gen))
-    blocks = nk.pack_q4_1x4(qw.blocks, n, k) if fmt == "q4_1x4" else qw.blocks
+    blocks = _pack(nk, fmt, qw) if fmt in LAYOUTS else qw.blocks
     want = dequantize(qw).to(dtype)
     got = nk.dequant(fmt, blocks, n, k, dtype=dtype)
     assert got.dtype == dtype and torch.equal(got, want)

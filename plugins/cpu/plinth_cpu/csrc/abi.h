@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 16
+#define PLINTH_ABI_VERSION 17
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -29,6 +29,8 @@ int plinth_gemm_rows16(int wt, const float *x, const void *w, const float *bias,
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int64_t plinth_q4_1x4_bytes(int64_t N, int64_t K);
 void plinth_pack_q4_1x4(const void *w, void *out, int64_t N, int64_t K);
+int64_t plinth_q4_1p16_bytes(int64_t N, int64_t K);
+void plinth_pack_q4_1p16(const void *w, void *out, int64_t N, int64_t K);
 void plinth_round_trip_q8(const float *x, float *out, int64_t M, int64_t K);
 int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int plinth_dequant(int fmt, const void *w, void *out, int dt, int64_t N, int64_t K);

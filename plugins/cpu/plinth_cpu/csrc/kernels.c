@@ -1576,7 +1576,7 @@ static void rows4_i16(int fmt, const char *const w[4], const block_q16_x *x, int
  * four rows, a single stream per group. The AVX2 build runs the same lanes in two halves and
  * gives the same sums bit for bit.
  */
-enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1, FMT_Q4_1X4 = 2 };
+enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1, FMT_Q4_1X4 = 2, FMT_Q4_1P16 = 3 };
 
 #ifndef X4_PF_DIST
 #define X4_PF_DIST 4096
@@ -1800,13 +1800,171 @@ static void qgemm_x4_range(void *p, int64_t begin, int64_t end) {
     for (gs[0] = begin + X4_STREAMS * seg; gs[0] < end; gs[0]++) x4_groups_all_rows(c, gs, 1);
 }
 
-/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b for few rows M, with activations (act) in fp32 as
- * given, or rounded per 32-block to int8 or int16 first (q4_1x4: int16 only; -2 for another act).
+/* ---------------------------------------------------------------------------------------------
+ * q4_1 in 16-row panels ("q4_1p16"): a q4_1 weight laid out at load so that one 512-bit vector of
+ * int16 lanes holds a pair of columns (k, k + 1) of 16 rows, as VNNI's dpwssd wants it: each int32
+ * lane is one row's dot product, and the activation pair is a 32-bit broadcast. Per 16-row panel
+ * and 32-column block, 320 bytes: 256 of quants (four 64-byte vectors; word 2r + h of vector t holds
+ * in nibble s the quant of row r, column 2(4t + s) + h), then the 16 rows' d (fp16), then their m.
+ * Panels follow each other, blocks within a panel in order; missing rows of a last panel are zeros.
+ * The same 20 bytes per 32 values as GGUF q4_1.
+ */
+#define P16_BYTES 320
+
+int64_t plinth_q4_1p16_bytes(int64_t N, int64_t K) { return (N + 15) / 16 * (K / QK) * P16_BYTES; }
+
+static inline int q4_1_quant(const block_q4_1 *blk, int k) { return k < 16 ? blk->qs[k] & 0x0F : blk->qs[k - 16] >> 4; }
+
+static void pack_p16_range(void *p, int64_t begin, int64_t end) {
+    pack_x4_ctx *c = (pack_x4_ctx *)p;
+    int64_t nb = c->nb;
+    for (int64_t pn = begin; pn < end; pn++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *base = c->out + ((size_t)pn * nb + b) * P16_BYTES;
+            uint16_t words[4][32] = {{0}}, d[16] = {0}, m[16] = {0};
+            for (int r = 0; r < 16 && pn * 16 + r < c->N; r++) {
+                const block_q4_1 *blk = c->w + (pn * 16 + r) * nb + b;
+                for (int t = 0; t < 4; t++)
+                    for (int s = 0; s < 4; s++)
+                        for (int h = 0; h < 2; h++)
+                            words[t][2 * r + h] |= (uint16_t)(q4_1_quant(blk, 2 * (4 * t + s) + h) << (4 * s));
+                d[r] = blk->d, m[r] = blk->m;
+            }
+            memcpy(base, words, sizeof words);
+            memcpy(base + 256, d, sizeof d);
+            memcpy(base + 288, m, sizeof m);
+        }
+}
+
+/* Lay out the q4_1 weight w [N, K] (GGUF blocks, row after row) in out (plinth_q4_1p16_bytes(N, K)
+ * bytes, 64-byte aligned) as q4_1p16. */
+void plinth_pack_q4_1p16(const void *w, void *out, int64_t N, int64_t K) {
+    pack_x4_ctx c = {(const block_q4_1 *)w, (uint8_t *)out, N, K / QK};
+    int64_t panels = (N + 15) / 16;
+    parallel_for(pack_p16_range, &c, panels, grain_for(panels, 4));
+}
+
+#if PLINTH_AVX512
+#ifndef P16_ROWS
+#define P16_ROWS 4
+#endif
+/* Rows per chunk: a chunk's int16 activations (72 bytes a block) stay in L2 while the range's
+ * panels pass them. */
+#ifndef P16_CHUNK
+#define P16_CHUNK 128
+#endif
+#ifndef P16_PF_DIST
+#define P16_PF_DIST 1280
+#endif
+/* np (1 or 2) panels against nr (1 to P16_ROWS) int16 activation rows: each block's quants are
+ * unpacked once (a shift and a mask per pair of columns) for all nr rows; per row and panel a block
+ * costs one vpmaddwd and 15 dpwssd, a conversion, the scale's product and two FMAs. */
+static inline __attribute__((always_inline)) void p16_tile(const uint8_t *const P[2], int np, const block_q16_x *x,
+                                                            int64_t nb, int nr, __m512 acc[P16_ROWS][2]) {
+    const __m512i m15 = _mm512_set1_epi16(0x0F);
+    for (int r = 0; r < nr; r++)
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        /* at one or two rows, two chains of dot products per row and panel (even and odd s), so
+         * the dpwssd latency does not bound a weight-streaming product */
+        const int chains = nr <= 2 ? 2 : 1;
+        __m512i di[P16_ROWS][2][2];
+        for (int t = 0; t < 4; t++) {
+            __m512i v[2];
+            for (int p = 0; p < np; p++) {
+                const uint8_t *B = P[p] + b * P16_BYTES;
+                if (P16_PF_DIST) _mm_prefetch((const char *)B + 64 * t + P16_PF_DIST, _MM_HINT_T0);
+                v[p] = _mm512_load_si512((const void *)(B + 64 * t));
+            }
+            for (int s = 0; s < 4; s++) {
+                __m512i w[2];
+                for (int p = 0; p < np; p++)
+                    w[p] = s == 0 ? _mm512_and_si512(v[p], m15)
+                         : s == 3 ? _mm512_srli_epi16(v[p], 12)
+                                  : _mm512_and_si512(_mm512_srli_epi16(v[p], 4 * s), m15);
+                for (int r = 0; r < nr; r++) {
+                    int32_t pair;
+                    memcpy(&pair, x[r * nb + b].q + 2 * (4 * t + s), sizeof pair);
+                    __m512i xp = _mm512_set1_epi32(pair);
+                    int ch = chains == 2 ? s & 1 : 0;
+                    for (int p = 0; p < np; p++)
+                        di[r][p][ch] = t == 0 && s == ch ? _mm512_madd_epi16(w[p], xp)
+                                                         : _mm512_dpwssd_epi32(di[r][p][ch], w[p], xp);
+                }
+            }
+        }
+        for (int p = 0; p < np; p++) {
+            const uint8_t *B = P[p] + b * P16_BYTES;
+            __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(B + 256)));
+            __m512 mw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(B + 288)));
+            for (int r = 0; r < nr; r++) {
+                const block_q16_x *xb = x + r * nb + b;
+                __m512i dots = chains == 2 ? _mm512_add_epi32(di[r][p][0], di[r][p][1]) : di[r][p][0];
+                acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(dots), acc[r][p]);
+                acc[r][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[r][p]);
+            }
+        }
+    }
+}
+
+static void p16_tile_n(const uint8_t *const P[2], int np, const block_q16_x *x, int64_t nb, int nr,
+                       __m512 acc[P16_ROWS][2]) {
+#define P16_CASE(R)                                                                                    \
+    case R:                                                                                            \
+        if (np == 2) p16_tile(P, 2, x, nb, R, acc);                                                    \
+        else p16_tile(P, 1, x, nb, R, acc);                                                            \
+        return;
+    switch (nr) {
+        P16_CASE(1)
+        P16_CASE(2)
+        P16_CASE(3)
+        P16_CASE(4)
+    }
+#undef P16_CASE
+}
+
+/* Panels ps[0..np) against rows [m0, m1), P16_ROWS at a time, into y (with the bias). */
+static void p16_panels_rows(const qgemm_ctx *c, const int64_t ps[2], int np, int64_t m0, int64_t m1) {
+    const uint8_t *P[2];
+    for (int k = 0; k < np; k++) P[k] = (const uint8_t *)c->w + (size_t)ps[k] * c->nb * P16_BYTES;
+    for (int64_t m = m0; m < m1; m += P16_ROWS) {
+        int nr = (int)(m1 - m < P16_ROWS ? m1 - m : P16_ROWS);
+        __m512 acc[P16_ROWS][2];
+        p16_tile_n(P, np, c->xq16 + m * c->nb, c->nb, nr, acc);
+        for (int k = 0; k < np; k++) {
+            int64_t n0 = ps[k] * 16, left = c->N - n0;
+            __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            __m512 bias = c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + n0) : _mm512_setzero_ps();
+            for (int r = 0; r < nr; r++)
+                _mm512_mask_storeu_ps(c->y + (m + r) * c->N + n0, mask, _mm512_add_ps(acc[r][k], bias));
+        }
+    }
+}
+
+static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
+    const qgemm_ctx *c = (const qgemm_ctx *)p;
+    /* two panels at a time from two halves of the range (two weight streams), then the odd one */
+    int64_t seg = (end - begin) / 2, ps[2];
+    for (int64_t m0 = 0; m0 < c->M; m0 += P16_CHUNK) {
+        int64_t m1 = m0 + P16_CHUNK < c->M ? m0 + P16_CHUNK : c->M;
+        for (int64_t i = 0; i < seg; i++) {
+            ps[0] = begin + i, ps[1] = begin + i + seg;
+            p16_panels_rows(c, ps, 2, m0, m1);
+        }
+        if ((end - begin) % 2) ps[0] = end - 1, p16_panels_rows(c, ps, 1, m0, m1);
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b with activations (act) in fp32 as given, or rounded
+ * per 32-block to int8 or int16 first (q4_1x4 and q4_1p16: int16 only; -2 for another act). The
+ * GGUF layouts and q4_1x4 serve few rows; q4_1p16 (AVX-512 build only: -3 on another) any number.
  * Returns 0, or -1 when out of memory. */
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M,
                       int64_t N, int64_t K) {
     int64_t nb = K / QK;
-    if (fmt == FMT_Q4_1X4 && act != ACT_INT16) return -2;
+    if ((fmt == FMT_Q4_1X4 || fmt == FMT_Q4_1P16) && act != ACT_INT16) return -2;
+    if (fmt == FMT_Q4_1P16 && !PLINTH_AVX512) return -3;
     size_t per_block = act == ACT_INT8 ? sizeof(block_q8_x) : act == ACT_INT16 ? sizeof(block_q16_x) : sizeof(float);
     void *scratch = malloc(per_block * (size_t)(M * nb));
     if (!scratch) return -1;
@@ -1826,6 +1984,14 @@ int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const flo
                    nb,
                    row_bytes};
     if (act != ACT_F32 || fmt == 0) parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
+#if PLINTH_AVX512
+    if (fmt == FMT_Q4_1P16) {
+        int64_t panels = (N + 15) / 16;
+        parallel_for(qgemm_p16_range, &c, panels, grain_for(panels, 2));
+        free(scratch);
+        return 0;
+    }
+#endif
     if (fmt == FMT_Q4_1X4) {
         int64_t groups = (N + 3) / 4;
         parallel_for(qgemm_x4_range, &c, groups, grain_for(groups, 4 * X4_STREAMS));
@@ -1870,6 +2036,23 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
     dequant_ctx *c = (dequant_ctx *)p;
     for (int64_t n = begin; n < end; n++) {
         float *o = c->out + n * c->K;
+        if (c->fmt == FMT_Q4_1P16) { /* row r of its panel: see "q4_1 in 16-row panels" */
+            int r = (int)(n % 16);
+            for (int64_t b = 0; b < c->nb; b++) {
+                const uint8_t *base = (const uint8_t *)c->w + ((size_t)(n / 16) * c->nb + b) * P16_BYTES;
+                uint16_t dh, mh;
+                memcpy(&dh, base + 256 + 2 * r, sizeof dh);
+                memcpy(&mh, base + 288 + 2 * r, sizeof mh);
+                float d = fp16_to_f32(dh), m = fp16_to_f32(mh);
+                for (int k = 0; k < QK; k++) {
+                    int j = k / 2, t = j / 4, s = j % 4;
+                    uint16_t word;
+                    memcpy(&word, base + 64 * t + 2 * (2 * r + k % 2), sizeof word);
+                    o[b * QK + k] = fmaf(d, (float)((word >> (4 * s)) & 0x0F), m);
+                }
+            }
+            continue;
+        }
         if (c->fmt == FMT_Q4_1X4) { /* row r of its group: 16 bytes of each block, nibble p is values 8p..8p+7 */
             const char *base = c->w + (size_t)(n / 4) * x4_stride(c->nb);
             int r = (int)(n % 4);

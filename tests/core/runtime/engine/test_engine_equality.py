@@ -102,7 +102,7 @@ def test_default_model_native_q4_1(activations: str, monkeypatch: pytest.MonkeyP
     prompt = "The three primary colors are"
     native = LLM(backend="cpu", max_model_len=256)
     assert native.engine.model.lm_head.weight.format == "q8_0"  # tied Q8_0 embedding, kept
-    kept = ("q4_1", "q4_1x4") if activations == "int16" else ("q4_1",)  # x4: int16 in 4-row groups (AVX-512)
+    kept = ("q4_1", "q4_1p16") if activations == "int16" else ("q4_1",)  # p16: int16 in 16-row panels (AVX-512)
     assert native.engine.model.layers[0].mlp.down_proj.weight.format in kept
     fp32 = LLM(backend="cpu", max_model_len=256, quantization="none")
     assert fp32.engine.model.lm_head.weight.format in ("dense", "f32_panels")  # dequantized at load

@@ -105,7 +105,7 @@ def test_graphs_generate_the_eager_tokens_on_the_default_model() -> None:
     for eager in (False, True):
         llm = LLM(backend="cpu", max_model_len=512, enforce_eager=eager)
         outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)])
-    assert llm.engine.model.layers[0].mlp.gate_up_proj.weight.format in ("q4_1", "q4_1x4")  # x4: AVX-512 build
+    assert llm.engine.model.layers[0].mlp.gate_up_proj.weight.format in ("q4_1", "q4_1p16")  # p16: AVX-512 build
     assert outputs[0] == outputs[1]
 
 
