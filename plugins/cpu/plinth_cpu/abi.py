@@ -109,6 +109,8 @@ FUNCTIONS: dict[str, CFunction] = {
     "plinth_pack_q4_1x4": CFunction("void", "const void *w, void *out, int64_t N, int64_t K"),
     "plinth_q4_1p16_bytes": CFunction("int64_t", "int64_t N, int64_t K"),
     "plinth_pack_q4_1p16": CFunction("void", "const void *w, void *out, int64_t N, int64_t K"),
+    "plinth_q8_0p16_bytes": CFunction("int64_t", "int64_t N, int64_t K"),
+    "plinth_pack_q8_0p16": CFunction("void", "const void *w, void *out, int64_t N, int64_t K"),
     "plinth_round_trip_q8": CFunction("void", "const float *x, float *out, int64_t M, int64_t K", 5, "M"),
     "plinth_gemm_dequant": CFunction(
         "int",

@@ -64,6 +64,7 @@ from plinth_cpu.native import (
     PANEL16_DTYPES,
     Q4_1P16,
     Q4_1X4,
+    Q8_0P16,
     QUANT_FORMATS,
     NativeKernels,
     choose_variant,
@@ -267,7 +268,7 @@ def native_quant_max_rows(fmt: str) -> int:
     """The most rows of a product the per-block kernel takes for a weight of ``LinearWeight.format``
     ``fmt``: above, the weight is dequantized (3 rows at a time, or whole into panels). A q4_1p16
     weight's kernel unpacks each block once for 4 rows at a time, so it takes every row count."""
-    if fmt == Q4_1P16:
+    if fmt in (Q4_1P16, Q8_0P16):
         return UNBOUNDED
     return Q4_1X4_MAX_ROWS if fmt == Q4_1X4 else NATIVE_QUANT_MAX_ROWS
 
@@ -420,6 +421,8 @@ class NativeGemm(CpuGemm):
             raise ValueError(f"{GROUPS_ENV}=16: 16-row q4_1 panels need the AVX-512 build, not {native.variant.name}")
         #: the layout int16 activations take q4_1 weights in (None: GGUF order)
         self.q4_1_layout = {"16": Q4_1P16, "4": Q4_1X4}.get(groups) if activations == "int16" else None
+        #: ... and q8_0 weights: the 16-row panels with q4_1's
+        self.q8_0_layout = Q8_0P16 if self.q4_1_layout == Q4_1P16 else None
         rows16 = os.environ.get(ROWS16_ENV)
         if rows16 is not None and not rows16.isdigit():
             raise ValueError(f"{ROWS16_ENV}={rows16!r}: expected a row count (0: never the native tiles)")
@@ -471,19 +474,21 @@ class NativeGemm(CpuGemm):
 
         With int16 activations (the default) and the AVX-512 build (``PLINTH_CPU_Q4_1_GROUPS``), a
         q4_1 weight is laid out once in 16-row panels (format ``"q4_1p16"``, the same values: see
-        :meth:`NativeKernels.pack_q4_1p16`) for the VNNI kernel, which takes every row count, or on
-        request in 4-row groups (``"q4_1x4"``, :meth:`NativeKernels.pack_q4_1x4`); q8_0, and q4_1
-        otherwise, keep their GGUF blocks as they are. float64
+        :meth:`NativeKernels.pack_q4_1p16`) for the VNNI kernel, which takes every row count, and a
+        q8_0 weight in the same panels (``"q8_0p16"``); or on request q4_1 in 4-row groups
+        (``"q4_1x4"``, :meth:`NativeKernels.pack_q4_1x4`). Otherwise both keep their GGUF blocks as
+        they are. float64
         dequantizes too (exactly: the blocks' values are fp32 numbers): the native kernels multiply
         and accumulate in fp32, an fp32 result in a float64 GEMM (conformance 1.3 found it)."""
         if weight.format not in QUANT_FORMATS or self.dtype == torch.float64:
             return super().prepare_quantized(weight, bias)
         b = None if bias is None else bias.to(device="cpu", dtype=torch.float32).contiguous()
         n, k = weight.out_features, weight.in_features
-        if weight.format == "q4_1" and self.q4_1_layout is not None:
-            pack = self.native.pack_q4_1p16 if self.q4_1_layout == Q4_1P16 else self.native.pack_q4_1x4
-            packed = pack(weight.blocks, n, k)
-            return LinearWeight(n, k, weight=None, bias=b, format=self.q4_1_layout, data={"blocks": packed})
+        layout = self.q4_1_layout if weight.format == "q4_1" else self.q8_0_layout
+        if layout is not None:
+            pack = {Q4_1P16: self.native.pack_q4_1p16, Q8_0P16: self.native.pack_q8_0p16}.get(layout)
+            packed = (pack or self.native.pack_q4_1x4)(weight.blocks, n, k)
+            return LinearWeight(n, k, weight=None, bias=b, format=layout, data={"blocks": packed})
         blocks = weight.blocks.contiguous()
         return LinearWeight(n, k, weight=None, bias=b, format=weight.format, data={"blocks": blocks})
 

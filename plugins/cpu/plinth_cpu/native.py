@@ -73,14 +73,19 @@ Q4_1X4 = "q4_1x4"
 #: ... in 16-row panels (``csrc/kernels.c``, "q4_1 in 16-row panels"), made at load by
 #: :meth:`NativeKernels.pack_q4_1p16`, for int16 activations on VNNI dot products (the AVX-512 build).
 Q4_1P16 = "q4_1p16"
-#: The library's own q4_1 layouts, which take int16 activations only.
-INT16_LAYOUTS = frozenset({Q4_1X4, Q4_1P16})
+#: ... and of a q8_0 weight in the same panels (made by :meth:`NativeKernels.pack_q8_0p16`).
+Q8_0P16 = "q8_0p16"
+#: The GGUF format each 16-row panel layout holds.
+PANELS16_OF: dict[str, str] = {Q4_1P16: "q4_1", Q8_0P16: "q8_0"}
+#: The library's own layouts, which take int16 activations only.
+INT16_LAYOUTS = frozenset({Q4_1X4, Q4_1P16, Q8_0P16})
 
 #: Weight layouts the quantized entry points take: name -> code (the ggml formats, and the library's).
 BLOCK_LAYOUTS: dict[str, int] = {
     **{name: code for name, (code, _, _) in QUANT_FORMATS.items()},
     Q4_1X4: 2,
     Q4_1P16: 3,
+    Q8_0P16: 4,
 }
 
 #: Activation handling of ``plinth_gemm_quant``: name -> code.
@@ -379,8 +384,8 @@ class NativeKernels:
         y = torch.empty(M, n, dtype=torch.float32)
         if fmt in INT16_LAYOUTS and activations != "int16":
             raise ValueError(f"a {fmt} weight takes int16 activations, not {activations}")
-        if fmt == Q4_1P16 and self.variant is not AVX512:
-            raise ValueError(f"a {Q4_1P16} weight needs the AVX-512 build, not {self.variant.name}")
+        if fmt in PANELS16_OF and self.variant is not AVX512:
+            raise ValueError(f"a {fmt} weight needs the AVX-512 build, not {self.variant.name}")
         code = BLOCK_LAYOUTS[fmt]
         bias_ptr = None if bias is None else bias.data_ptr()
         if self.lib.plinth_gemm_quant(
@@ -408,15 +413,24 @@ class NativeKernels:
         AVX-512 build's int16 VNNI kernel (format ``"q4_1p16"``, any row count; every other quantized
         entry point takes it too): the same 20 bytes per 32 values, zero rows filling a last panel
         where n is not a multiple of 16. ``blocks`` may be freed afterwards."""
+        return self._pack_panels16(Q4_1P16, blocks, n, k)
+
+    def pack_q8_0p16(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """A q8_0 weight [n, k] in the same 16-row panels (format ``"q8_0p16"``; 34 bytes per 32
+        values, as GGUF), for the same kernel: the quants sign-extended to int16 lanes as read."""
+        return self._pack_panels16(Q8_0P16, blocks, n, k)
+
+    def _pack_panels16(self, layout: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        fmt = PANELS16_OF[layout]
         if self.variant is not AVX512:
-            raise ValueError(f"{Q4_1P16} weights need the AVX-512 build (VNNI), not {self.variant.name}")
-        if k % 32 or blocks.numel() * blocks.element_size() != n * (k // 32) * QUANT_FORMATS["q4_1"][2]:
-            raise ValueError(f"{blocks.numel() * blocks.element_size()} bytes are not the q4_1 blocks of {n} x {k}")
+            raise ValueError(f"{layout} weights need the AVX-512 build (VNNI), not {self.variant.name}")
+        if k % 32 or blocks.numel() * blocks.element_size() != n * (k // 32) * QUANT_FORMATS[fmt][2]:
+            raise ValueError(f"{blocks.numel() * blocks.element_size()} bytes are not the {fmt} blocks of {n} x {k}")
         src = blocks.contiguous()
-        out = torch.empty(int(self.lib.plinth_q4_1p16_bytes(n, k)), dtype=torch.uint8)
+        out = torch.empty(int(getattr(self.lib, f"plinth_{layout}_bytes")(n, k)), dtype=torch.uint8)
         if out.data_ptr() % 64:  # the kernel's aligned loads
-            raise MemoryError("the allocator gave a q4_1p16 weight memory not aligned to 64 bytes")
-        self.lib.plinth_pack_q4_1p16(src.data_ptr(), out.data_ptr(), n, k)
+            raise MemoryError(f"the allocator gave a {layout} weight memory not aligned to 64 bytes")
+        getattr(self.lib, f"plinth_pack_{layout}")(src.data_ptr(), out.data_ptr(), n, k)
         return out
 
     def gemm_dequant(

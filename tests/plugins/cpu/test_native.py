@@ -213,8 +213,8 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
     gemm = NativeGemm(torch.float32, nk, activations=activations)
     prepared = gemm.prepare_quantized(qw, b)
     # laid out in 16-row panels (the same values) where the AVX-512 build runs
-    grouped = fmt == "q4_1" and activations == "int16" and nk.variant.name == "avx512"
-    assert prepared.format == ("q4_1p16" if grouped else fmt) and prepared.weight is None  # never dequantized
+    paneled = activations == "int16" and nk.variant.name == "avx512"
+    assert prepared.format == (f"{fmt}p16" if paneled else fmt) and prepared.weight is None  # never dequantized
     y = gemm.linear(x, prepared)
     ref = F.linear(x.double(), w.double(), b.double()).float()
     row = gemm.linear(x[:1], prepared)
@@ -233,39 +233,50 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
         assert ((y[:1] - row).abs() <= bound).all()  # row alone: int16 path
 
 
-#: The library's own q4_1 layouts: name -> (bytes of an [n, k] weight, the builds that multiply it).
+#: The library's own layouts: name -> (the GGUF format it holds, bytes of an [n, k] weight, the builds
+#: that multiply it).
 LAYOUTS = {
-    "q4_1x4": (lambda n, k: (n + 3) // 4 * ((k // 32 * 80 + 63) // 64 * 64), ("avx2", "avx512")),
-    "q4_1p16": (lambda n, k: (n + 15) // 16 * (k // 32) * 320, ("avx512",)),
+    "q4_1x4": ("q4_1", lambda n, k: (n + 3) // 4 * ((k // 32 * 80 + 63) // 64 * 64), ("avx2", "avx512")),
+    "q4_1p16": ("q4_1", lambda n, k: (n + 15) // 16 * (k // 32) * 320, ("avx512",)),
+    "q8_0p16": ("q8_0", lambda n, k: (n + 15) // 16 * (k // 32) * 544, ("avx512",)),
 }
+
+
+def _weight(layout: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """Random GGUF blocks of the format ``layout`` holds."""
+    return _q4_1(n, k, gen) if LAYOUTS[layout][0] == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
 
 
 def _pack(nk: NativeKernels, layout: str, qw: QuantizedWeight) -> torch.Tensor:
     """``qw`` in ``layout``; the test skips, saying so, on a build without its kernel."""
-    if nk.variant.name not in LAYOUTS[layout][1]:
+    if nk.variant.name not in LAYOUTS[layout][2]:
         pytest.skip(f"the {nk.variant.name} build has no {layout} kernel")
-    n, k = qw.out_features, qw.in_features
-    return nk.pack_q4_1p16(qw.blocks, n, k) if layout == "q4_1p16" else nk.pack_q4_1x4(qw.blocks, n, k)
+    return _packer(nk, layout)(qw.blocks, qw.out_features, qw.in_features)
+
+
+def _packer(nk: NativeKernels, layout: str):  # noqa: ANN202
+    return {"q4_1x4": nk.pack_q4_1x4, "q4_1p16": nk.pack_q4_1p16, "q8_0p16": nk.pack_q8_0p16}[layout]
 
 
 @needs_native
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("n", [1, 6, 13, 17, 64, 100, 1040])  # partial groups and panels; streams and leftovers
 @pytest.mark.parametrize("k", [32, 96, 1536])  # 1, 3 and 48 blocks a row (a group of 3 blocks: padded stride)
-def test_q4_1_layouts_hold_the_gguf_values(nk: NativeKernels, threads: int, layout: str, n: int, k: int) -> None:
+def test_quant_layouts_hold_the_gguf_values(nk: NativeKernels, threads: int, layout: str, n: int, k: int) -> None:
     """The 4-row groups and the 16-row panels hold each row's values exactly: every dequantizing
     entry point (whole, in panels, the many-row GEMM) gives the GGUF blocks' results bit for bit."""
     gen = torch.Generator().manual_seed(n * 7 + k)
-    qw = _q4_1(n, k, gen)
+    fmt = LAYOUTS[layout][0]
+    qw = _weight(layout, n, k, gen)
     packed = _pack(nk, layout, qw)
-    assert packed.numel() == LAYOUTS[layout][0](n, k) and packed.data_ptr() % 64 == 0
-    assert torch.equal(nk.dequant(layout, packed, n, k), nk.dequant("q4_1", qw.blocks, n, k))
-    assert torch.equal(nk.dequant("q4_1", qw.blocks, n, k), dequantize(qw))
+    assert packed.numel() == LAYOUTS[layout][1](n, k) and packed.data_ptr() % 64 == 0
+    assert torch.equal(nk.dequant(layout, packed, n, k), nk.dequant(fmt, qw.blocks, n, k))
+    torch.testing.assert_close(nk.dequant(fmt, qw.blocks, n, k), dequantize(qw), rtol=1e-6, atol=1e-7)
     size = (n + 7) // 8 * 8 * k
-    want = nk.dequant_panels("q4_1", qw.blocks, n, k, torch.empty(size))
+    want = nk.dequant_panels(fmt, qw.blocks, n, k, torch.empty(size))
     assert torch.equal(nk.dequant_panels(layout, packed, n, k, torch.empty(size)), want)
     x = torch.randn(NATIVE_QUANT_MAX_ROWS + 5, k, generator=gen)
-    assert torch.equal(nk.gemm_dequant(layout, x, packed, None, n), nk.gemm_dequant("q4_1", x, qw.blocks, None, n))
+    assert torch.equal(nk.gemm_dequant(layout, x, packed, None, n), nk.gemm_dequant(fmt, x, qw.blocks, None, n))
 
 
 @needs_native
@@ -273,7 +284,7 @@ def test_q4_1_layouts_hold_the_gguf_values(nk: NativeKernels, threads: int, layo
 @pytest.mark.parametrize("m", [1, 2, 3, 7, NATIVE_QUANT_MAX_ROWS, 133])  # q4_1p16: 1-4 row tiles, 128-row chunks
 @pytest.mark.parametrize("n", [5, 13, 64, 100, 1040])
 @pytest.mark.parametrize("k", [32, 96, 1536])
-def test_q4_1_layouts_gemm_matches_the_row_kernel(
+def test_quant_layouts_gemm_matches_the_row_kernel(
     nk: NativeKernels, threads: int, layout: str, m: int, n: int, k: int
 ) -> None:
     """The int16 kernels over 4-row groups and 16-row panels: the same int16 activations and exact
@@ -281,11 +292,11 @@ def test_q4_1_layouts_gemm_matches_the_row_kernel(
     rounding bound of the dequantized product; and a row's result does not depend on the batch it is
     in."""
     gen = torch.Generator().manual_seed(m * 1000 + n * 7 + k)
-    qw, b = _q4_1(n, k, gen), torch.randn(n, generator=gen)
+    qw, b = _weight(layout, n, k, gen), torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4  # blocks of unlike magnitudes
     packed = _pack(nk, layout, qw)
     got = nk.gemm_quant(layout, x, packed, b, n, "int16")
-    rows = nk.gemm_quant("q4_1", x, qw.blocks, b, n, "int16")
+    rows = nk.gemm_quant(LAYOUTS[layout][0], x, qw.blocks, b, n, "int16")
     torch.testing.assert_close(got, rows, rtol=2e-6 * k**0.5, atol=2e-6 * k**0.5)
     w = dequantize(qw)
     ref = F.linear(x.double(), w.double(), b.double()).float()
@@ -316,16 +327,15 @@ def test_q4_1x4_builds_agree_bit_for_bit(threads: int) -> None:
 
 @needs_native
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_q4_1_layouts_take_int16_activations_only(nk: NativeKernels, layout: str) -> None:
+def test_quant_layouts_take_int16_activations_only(nk: NativeKernels, layout: str) -> None:
     """The library's layouts have one kernel each (int16): other activations are a clear error, not
     garbage; so are blocks of another shape."""
-    qw = _q4_1(8, 64, torch.Generator().manual_seed(0))
+    qw = _weight(layout, 8, 64, torch.Generator().manual_seed(0))
     packed = _pack(nk, layout, qw)
     with pytest.raises(ValueError, match=f"{layout} weight takes int16 activations, not int8"):
         nk.gemm_quant(layout, torch.randn(1, 64), packed, None, 8, "int8")
-    pack = nk.pack_q4_1p16 if layout == "q4_1p16" else nk.pack_q4_1x4
-    with pytest.raises(ValueError, match="are not the q4_1 blocks of 8 x 96"):
-        pack(qw.blocks, 8, 96)
+    with pytest.raises(ValueError, match=f"are not the {LAYOUTS[layout][0]} blocks of 8 x 96"):
+        _packer(nk, layout)(qw.blocks, 8, 96)
 
 
 @needs_native
@@ -336,10 +346,12 @@ def test_q4_1p16_needs_the_avx512_build() -> None:
     qw = _q4_1(16, 64, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="q4_1p16 weights need the AVX-512 build"):
         kernels.pack_q4_1p16(qw.blocks, 16, 64)
+    with pytest.raises(ValueError, match="q8_0p16 weights need the AVX-512 build"):
+        kernels.pack_q8_0p16(quantize_q8_0(torch.randn(16, 64)).blocks, 16, 64)
     with pytest.raises(ValueError, match="a q4_1p16 weight needs the AVX-512 build, not avx2"):
         kernels.gemm_quant("q4_1p16", torch.randn(1, 64), torch.zeros(320, dtype=torch.uint8), None, 16, "int16")
     gemm = NativeGemm(torch.float32, kernels)
-    assert gemm.q4_1_layout is None  # auto: GGUF order on the AVX2 build
+    assert gemm.q4_1_layout is None and gemm.q8_0_layout is None  # auto: GGUF order on the AVX2 build
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PLINTH_CPU_Q4_1_GROUPS", "16")
         with pytest.raises(ValueError, match="PLINTH_CPU_Q4_1_GROUPS=16: 16-row q4_1 panels need the AVX-512 build"):
@@ -356,7 +368,8 @@ def test_q4_1_groups_follow_the_build_and_the_environment(nk: NativeKernels, mon
     qw, x = _q4_1(40, 96, gen), torch.randn(2, 96, generator=gen)
     avx512 = nk.variant.name == "avx512"
     monkeypatch.delenv("PLINTH_CPU_Q4_1_GROUPS", raising=False)
-    assert NativeGemm(torch.float32, nk).q4_1_layout == ("q4_1p16" if avx512 else None)
+    auto = NativeGemm(torch.float32, nk)
+    assert (auto.q4_1_layout, auto.q8_0_layout) == (("q4_1p16", "q8_0p16") if avx512 else (None, None))
     gemms = {}
     for mode in ("16", "4", "0") if avx512 else ("4", "0"):
         monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", mode)
@@ -402,14 +415,14 @@ def test_dequant_matches_reference(nk: NativeKernels, fmt: str) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1x4", "q4_1p16"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", *LAYOUTS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dequant_to_16_bits_rounds_as_torch(nk: NativeKernels, threads: int, fmt: str, dtype: torch.dtype) -> None:
     """Dequantized into a 16-bit tensor: the fp32 values rounded as ``Tensor.to`` rounds, bit for bit
     (fp16 scales times nibbles are rarely bf16 numbers: most values round)."""
     gen = torch.Generator().manual_seed(4)
     n, k = 22, 128
-    qw = _q4_1(n, k, gen) if fmt != "q8_0" else quantize_q8_0(torch.randn(n, k, generator=gen))
+    qw = _weight(fmt, n, k, gen) if fmt in LAYOUTS else _weight("q4_1p16" if fmt == "q4_1" else "q8_0p16", n, k, gen)
     blocks = _pack(nk, fmt, qw) if fmt in LAYOUTS else qw.blocks
     want = dequantize(qw).to(dtype)
     got = nk.dequant(fmt, blocks, n, k, dtype=dtype)

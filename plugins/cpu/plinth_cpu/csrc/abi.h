@@ -31,6 +31,8 @@ int64_t plinth_q4_1x4_bytes(int64_t N, int64_t K);
 void plinth_pack_q4_1x4(const void *w, void *out, int64_t N, int64_t K);
 int64_t plinth_q4_1p16_bytes(int64_t N, int64_t K);
 void plinth_pack_q4_1p16(const void *w, void *out, int64_t N, int64_t K);
+int64_t plinth_q8_0p16_bytes(int64_t N, int64_t K);
+void plinth_pack_q8_0p16(const void *w, void *out, int64_t N, int64_t K);
 void plinth_round_trip_q8(const float *x, float *out, int64_t M, int64_t K);
 int plinth_gemm_dequant(int fmt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 int plinth_dequant(int fmt, const void *w, void *out, int dt, int64_t N, int64_t K);

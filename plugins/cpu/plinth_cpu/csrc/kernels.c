@@ -1576,7 +1576,7 @@ static void rows4_i16(int fmt, const char *const w[4], const block_q16_x *x, int
  * four rows, a single stream per group. The AVX2 build runs the same lanes in two halves and
  * gives the same sums bit for bit.
  */
-enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1, FMT_Q4_1X4 = 2, FMT_Q4_1P16 = 3 };
+enum { FMT_Q4_1 = 0, FMT_Q8_0 = 1, FMT_Q4_1X4 = 2, FMT_Q4_1P16 = 3, FMT_Q8_0P16 = 4 };
 
 #ifndef X4_PF_DIST
 #define X4_PF_DIST 4096
@@ -1810,8 +1810,14 @@ static void qgemm_x4_range(void *p, int64_t begin, int64_t end) {
  * The same 20 bytes per 32 values as GGUF q4_1.
  */
 #define P16_BYTES 320
+/* q8_0 in the same 16-row panels ("q8_0p16"): per panel and block 544 bytes, 16 pairs of columns of
+ * 32 bytes (byte 2r + h of pair j: the quant of row r, column 2j + h; sign-extended to int16 lanes as
+ * read), then the 16 rows' d (fp16). The same 34 bytes per 32 values as GGUF q8_0. */
+#define Q8P16_BYTES 544
 
 int64_t plinth_q4_1p16_bytes(int64_t N, int64_t K) { return (N + 15) / 16 * (K / QK) * P16_BYTES; }
+int64_t plinth_q8_0p16_bytes(int64_t N, int64_t K) { return (N + 15) / 16 * (K / QK) * Q8P16_BYTES; }
+static inline int64_t p16_block_bytes(int fmt) { return fmt == FMT_Q8_0P16 ? Q8P16_BYTES : P16_BYTES; }
 
 static inline int q4_1_quant(const block_q4_1 *blk, int k) { return k < 16 ? blk->qs[k] & 0x0F : blk->qs[k - 16] >> 4; }
 
@@ -1834,6 +1840,30 @@ static void pack_p16_range(void *p, int64_t begin, int64_t end) {
             memcpy(base + 256, d, sizeof d);
             memcpy(base + 288, m, sizeof m);
         }
+}
+
+static void pack_q8p16_range(void *p, int64_t begin, int64_t end) {
+    pack_x4_ctx *c = (pack_x4_ctx *)p;
+    const block_q8_0 *w = (const block_q8_0 *)c->w;
+    int64_t nb = c->nb;
+    for (int64_t pn = begin; pn < end; pn++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *base = c->out + ((size_t)pn * nb + b) * Q8P16_BYTES;
+            memset(base, 0, Q8P16_BYTES);
+            for (int r = 0; r < 16 && pn * 16 + r < c->N; r++) {
+                const block_q8_0 *blk = w + (pn * 16 + r) * nb + b;
+                for (int k = 0; k < QK; k++) base[32 * (k / 2) + 2 * r + k % 2] = (uint8_t)blk->q[k];
+                memcpy(base + 512 + 2 * r, &blk->d, sizeof blk->d);
+            }
+        }
+}
+
+/* Lay out the q8_0 weight w [N, K] (GGUF blocks, row after row) in out (plinth_q8_0p16_bytes(N, K)
+ * bytes, 64-byte aligned) as q8_0p16. */
+void plinth_pack_q8_0p16(const void *w, void *out, int64_t N, int64_t K) {
+    pack_x4_ctx c = {(const block_q4_1 *)w, (uint8_t *)out, N, K / QK};
+    int64_t panels = (N + 15) / 16;
+    parallel_for(pack_q8p16_range, &c, panels, grain_for(panels, 4));
 }
 
 /* Lay out the q4_1 weight w [N, K] (GGUF blocks, row after row) in out (plinth_q4_1p16_bytes(N, K)
@@ -1859,8 +1889,10 @@ void plinth_pack_q4_1p16(const void *w, void *out, int64_t N, int64_t K) {
 /* np (1 or 2) panels against nr (1 to P16_ROWS) int16 activation rows: each block's quants are
  * unpacked once (a shift and a mask per pair of columns) for all nr rows; per row and panel a block
  * costs one vpmaddwd and 15 dpwssd, a conversion, the scale's product and two FMAs. */
-static inline __attribute__((always_inline)) void p16_tile(const uint8_t *const P[2], int np, const block_q16_x *x,
-                                                            int64_t nb, int nr, __m512 acc[P16_ROWS][2]) {
+static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t *const P[2], int np,
+                                                            const block_q16_x *x, int64_t nb, int nr,
+                                                            __m512 acc[P16_ROWS][2]) {
+    const int64_t bytes = q8 ? Q8P16_BYTES : P16_BYTES;
     const __m512i m15 = _mm512_set1_epi16(0x0F);
     for (int r = 0; r < nr; r++)
         for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_ps();
@@ -1872,14 +1904,20 @@ static inline __attribute__((always_inline)) void p16_tile(const uint8_t *const 
         for (int t = 0; t < 4; t++) {
             __m512i v[2];
             for (int p = 0; p < np; p++) {
-                const uint8_t *B = P[p] + b * P16_BYTES;
+                const uint8_t *B = P[p] + b * bytes;
+                if (q8) { /* four pairs of columns: 128 bytes */
+                    if (P16_PF_DIST) _mm_prefetch((const char *)B + 128 * t + P16_PF_DIST, _MM_HINT_T0);
+                    if (P16_PF_DIST) _mm_prefetch((const char *)B + 128 * t + 64 + P16_PF_DIST, _MM_HINT_T0);
+                    continue;
+                }
                 if (P16_PF_DIST) _mm_prefetch((const char *)B + 64 * t + P16_PF_DIST, _MM_HINT_T0);
                 v[p] = _mm512_load_si512((const void *)(B + 64 * t));
             }
             for (int s = 0; s < 4; s++) {
                 __m512i w[2];
                 for (int p = 0; p < np; p++)
-                    w[p] = s == 0 ? _mm512_and_si512(v[p], m15)
+                    w[p] = q8       ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(P[p] + b * bytes + 32 * (4 * t + s))))
+                         : s == 0 ? _mm512_and_si512(v[p], m15)
                          : s == 3 ? _mm512_srli_epi16(v[p], 12)
                                   : _mm512_and_si512(_mm512_srli_epi16(v[p], 4 * s), m15);
                 for (int r = 0; r < nr; r++) {
@@ -1894,25 +1932,25 @@ static inline __attribute__((always_inline)) void p16_tile(const uint8_t *const 
             }
         }
         for (int p = 0; p < np; p++) {
-            const uint8_t *B = P[p] + b * P16_BYTES;
-            __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(B + 256)));
-            __m512 mw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(B + 288)));
+            const uint8_t *B = P[p] + b * bytes;
+            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(B + (q8 ? 512 : 256))));
+            __m512 mw = q8 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(B + 288)));
             for (int r = 0; r < nr; r++) {
                 const block_q16_x *xb = x + r * nb + b;
                 __m512i dots = chains == 2 ? _mm512_add_epi32(di[r][p][0], di[r][p][1]) : di[r][p][0];
                 acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(dots), acc[r][p]);
-                acc[r][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[r][p]);
+                if (!q8) acc[r][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[r][p]);  /* q4_1's minimum */
             }
         }
     }
 }
 
-static void p16_tile_n(const uint8_t *const P[2], int np, const block_q16_x *x, int64_t nb, int nr,
+static void p16_tile_n(int q8, const uint8_t *const P[2], int np, const block_q16_x *x, int64_t nb, int nr,
                        __m512 acc[P16_ROWS][2]) {
 #define P16_CASE(R)                                                                                    \
     case R:                                                                                            \
-        if (np == 2) p16_tile(P, 2, x, nb, R, acc);                                                    \
-        else p16_tile(P, 1, x, nb, R, acc);                                                            \
+        if (q8) np == 2 ? p16_tile(1, P, 2, x, nb, R, acc) : p16_tile(1, P, 1, x, nb, R, acc);         \
+        else np == 2 ? p16_tile(0, P, 2, x, nb, R, acc) : p16_tile(0, P, 1, x, nb, R, acc);            \
         return;
     switch (nr) {
         P16_CASE(1)
@@ -1926,11 +1964,11 @@ static void p16_tile_n(const uint8_t *const P[2], int np, const block_q16_x *x, 
 /* Panels ps[0..np) against rows [m0, m1), P16_ROWS at a time, into y (with the bias). */
 static void p16_panels_rows(const qgemm_ctx *c, const int64_t ps[2], int np, int64_t m0, int64_t m1) {
     const uint8_t *P[2];
-    for (int k = 0; k < np; k++) P[k] = (const uint8_t *)c->w + (size_t)ps[k] * c->nb * P16_BYTES;
+    for (int k = 0; k < np; k++) P[k] = (const uint8_t *)c->w + (size_t)ps[k] * c->nb * p16_block_bytes(c->fmt);
     for (int64_t m = m0; m < m1; m += P16_ROWS) {
         int nr = (int)(m1 - m < P16_ROWS ? m1 - m : P16_ROWS);
         __m512 acc[P16_ROWS][2];
-        p16_tile_n(P, np, c->xq16 + m * c->nb, c->nb, nr, acc);
+        p16_tile_n(c->fmt == FMT_Q8_0P16, P, np, c->xq16 + m * c->nb, c->nb, nr, acc);
         for (int k = 0; k < np; k++) {
             int64_t n0 = ps[k] * 16, left = c->N - n0;
             __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
@@ -1963,8 +2001,9 @@ static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M,
                       int64_t N, int64_t K) {
     int64_t nb = K / QK;
-    if ((fmt == FMT_Q4_1X4 || fmt == FMT_Q4_1P16) && act != ACT_INT16) return -2;
-    if (fmt == FMT_Q4_1P16 && !PLINTH_AVX512) return -3;
+    int panels16 = fmt == FMT_Q4_1P16 || fmt == FMT_Q8_0P16;
+    if ((fmt == FMT_Q4_1X4 || panels16) && act != ACT_INT16) return -2;
+    if (panels16 && !PLINTH_AVX512) return -3;
     size_t per_block = act == ACT_INT8 ? sizeof(block_q8_x) : act == ACT_INT16 ? sizeof(block_q16_x) : sizeof(float);
     void *scratch = malloc(per_block * (size_t)(M * nb));
     if (!scratch) return -1;
@@ -1985,7 +2024,7 @@ int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const flo
                    row_bytes};
     if (act != ACT_F32 || fmt == 0) parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
 #if PLINTH_AVX512
-    if (fmt == FMT_Q4_1P16) {
+    if (panels16) {
         int64_t panels = (N + 15) / 16;
         parallel_for(qgemm_p16_range, &c, panels, grain_for(panels, 2));
         free(scratch);
@@ -2036,6 +2075,17 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
     dequant_ctx *c = (dequant_ctx *)p;
     for (int64_t n = begin; n < end; n++) {
         float *o = c->out + n * c->K;
+        if (c->fmt == FMT_Q8_0P16) { /* row r of its panel: see "q8_0 in the same 16-row panels" */
+            int r = (int)(n % 16);
+            for (int64_t b = 0; b < c->nb; b++) {
+                const uint8_t *base = (const uint8_t *)c->w + ((size_t)(n / 16) * c->nb + b) * Q8P16_BYTES;
+                uint16_t dh;
+                memcpy(&dh, base + 512 + 2 * r, sizeof dh);
+                float d = fp16_to_f32(dh);
+                for (int k = 0; k < QK; k++) o[b * QK + k] = d * (float)(int8_t)base[32 * (k / 2) + 2 * r + k % 2];
+            }
+            continue;
+        }
         if (c->fmt == FMT_Q4_1P16) { /* row r of its panel: see "q4_1 in 16-row panels" */
             int r = (int)(n % 16);
             for (int64_t b = 0; b < c->nb; b++) {
