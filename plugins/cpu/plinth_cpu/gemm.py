@@ -28,16 +28,16 @@ default "int16"): exact integer products, and a rounding at most 2^-16 of the bl
 activation, which kept SmolLM2-135M's log-probs within 1.5e-3 nats of the dequantized fp32 model.
 With the AVX-512 build, int16 activations take a q4_1 weight laid out once at load in 16-row panels
 (format ``"q4_1p16"``, ``PLINTH_CPU_Q4_1_GROUPS``): one 512-bit vector holds a pair of columns of 16
-rows as int16 lanes for VNNI's ``vpdpwssd``, each block is unpacked once for up to 4 activation rows,
-and the kernel takes every row count, prefill included (1.1x the 4-row groups at 1 row, 1.5-1.6x at
-8-64, 2x the dequantized fp32 panels at 512 on a Zen 4). On request (``"4"``) 4-row groups (format
-``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles are int16 lanes) serve up to
-:data:`Q4_1X4_MAX_ROWS` rows. q8_0 weights take the same 16-row panels (format ``"q8_0p16"``).
-Multiplying fp32 activations as given ("fp32") is exact up to fp32 rounding but slower: AVX2 has
-to convert every weight to float, and that, not memory, bounds the kernel. More rows, on the AVX2 build up to
-64: each group of 3 weight rows is dequantized into a
-cache-resident buffer and multiplied with the fp32 register tiles (fp32 activations); the
-dequantization is then a small share of the work. Above that (on the AVX-512 build from 17 rows:
+rows as int16 lanes for VNNI's ``vpdpwssd``, each block is unpacked once for up to 4 activation
+rows, and the kernel takes every row count, prefill included (1.1x the 4-row groups at 1 row,
+1.5-1.6x at 8-64, 2x the dequantized fp32 panels at 512 on a Zen 4). On request (``"4"``) 4-row
+groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles are int16 lanes)
+serve up to :data:`Q4_1X4_MAX_ROWS` rows. q8_0 weights take the same 16-row panels (format
+``"q8_0p16"``). Multiplying fp32 activations as given ("fp32") is exact up to fp32 rounding but
+slower: AVX2 has to convert every weight to float, and that, not memory, bounds the kernel. More
+rows, on the AVX2 build up to 64: each group of 3 weight rows is dequantized into a cache-resident
+buffer and multiplied with the fp32 register tiles (fp32 activations); the dequantization is then a
+small share of the work. Above that (on the AVX-512 build from 17 rows:
 :data:`DEQUANT_ROWS_MAX_ROWS`) the whole weight is dequantized into panels in a reused scratch
 buffer (at most a few MB per layer) for the panel kernel. With ``PLINTH_CPU_QUANT_BATCHED=bf16``
 products of 96 rows or more instead dequantize the weight to bf16 and run oneDNN's bf16 GEMM
