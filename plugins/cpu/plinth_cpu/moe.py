@@ -86,7 +86,8 @@ class CpuMoE(MoEKernels):
         return ExpertWeights(self.spec, None, None, fmt, {"gate_up": gu, "down": dn})
 
     def prepare_quantized(self, gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight]) -> ExpertWeights:
-        """Each expert's blocks as the GEMM keeps them (q4_1/q8_0: the blocks, never dequantized)."""
+        """Each expert's blocks as the GEMM keeps them (q4_1/q8_0: never dequantized; the AVX-512 build lays
+        them out in its 16-row panels at load)."""
         _check_quantized(self.spec, gate_up, down)
         gu = [self.gemm.prepare_quantized(w, None) for w in gate_up]
         dn = [self.gemm.prepare_quantized(w, None) for w in down]

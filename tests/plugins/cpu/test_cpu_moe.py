@@ -98,15 +98,18 @@ def test_strided_inputs_and_a_repeat_give_the_same_bits() -> None:
 @needs_native
 @pytest.mark.parametrize("t", [1, 5, 40, 200])
 def test_quantized_experts_keep_their_blocks(t: int) -> None:
-    """q8_0 experts are kept as blocks (never dequantized at load) and match the dequantized op."""
+    """q8_0 experts are kept as blocks (never dequantized at load; the AVX-512 build lays them out in its
+    16-row panels) and match the dequantized op."""
     spec = MoESpec(8, 2, 128, 64, quant_format="q8_0")
     gate_up, down = _experts(spec)
     gu = [quantize_q8_0(w) for w in gate_up]
     dn = [quantize_q8_0(w) for w in down]
     moe = CpuBackend().moe_kernels(spec)
     weights = moe.prepare_quantized(gu, dn)
-    assert weights.format == "q8_0" and weights.gate_up is None
-    assert weights.data["gate_up"][3].data["blocks"].data_ptr() == gu[3].blocks.data_ptr()  # the blocks themselves
+    layout = getattr(moe.gemm, "q8_0_layout", None)  # the AVX-512 build: 16-row panels (q8_0p16), packed at load
+    assert weights.format == (layout or "q8_0") and weights.gate_up is None
+    if layout is None:
+        assert weights.data["gate_up"][3].data["blocks"].data_ptr() == gu[3].blocks.data_ptr()  # the blocks themselves
     x, logits = _inputs(spec, t)
     ref = ReferenceMoE(spec)
     want = ref.forward(x, logits, ref.prepare_quantized(gu, dn))
