@@ -1,13 +1,14 @@
 """The cpu backend's int16 q4_1 GEMM in each layout, over a model's worth of weights: GGUF order,
-4-row groups (``q4_1x4``) and, on the AVX-512 build, 16-row panels (``q4_1p16``, the layout the
-backend makes at load there), side by side in one process.
+4-row groups (``q4_1x4``) and 16-row panels (``q4_1p16``, the layout the backend makes at load),
+side by side in one process.
 
 Each row count multiplies int16-rounded activations by every linear weight of a SmolLM2-135M-shaped
 stack (30 layers of fused qkv, o_proj, gate_up and down as random q4_1 blocks: 66 MB, more than this
 host's caches hold, as in a decode step); ``--layers 1`` keeps one layer (2.2 MB) in cache, which shows
 the kernels' compute alone. The layouts alternate pass by pass; the fastest pass of each counts. Each
 layout runs only at the row counts the backend gives it (GGUF order up to ``NATIVE_QUANT_MAX_ROWS``,
-4-row groups up to ``Q4_1X4_MAX_ROWS``, 16-row panels at any); "-" elsewhere. Both sides include the
+4-row groups up to ``Q4_1X4_MAX_ROWS``, 16-row panels up to ``P16_MAX_ROWS``: any on the AVX-512
+build); "-" elsewhere. Both sides include the
 call's Python overhead (a decode step's graph replay has none). Prints GFLOP/s (2 M N K flops), the
 GB/s of weight bytes read at 1 row, the panels' speed over the groups', with the CPU's AVX-512/AMX flags,
 the build and the host load.
@@ -50,8 +51,7 @@ def main() -> None:
     gguf = [(n, k, random_weight("q4_1", n, k, gen).blocks) for _ in range(args.layers) for n, k in SHAPES]
     stacks = {"q4_1": [(n, k, b) for n, k, b in gguf],
               "q4_1x4": [(n, k, nk.pack_q4_1x4(b, n, k)) for n, k, b in gguf]}  # fmt: skip
-    if nk.variant is native_mod.AVX512:
-        stacks["q4_1p16"] = [(n, k, nk.pack_q4_1p16(b, n, k)) for n, k, b in gguf]
+    stacks["q4_1p16"] = [(n, k, nk.pack_q4_1p16(b, n, k)) for n, k, b in gguf]
     nbytes = {name: sum(b.numel() * b.element_size() for _, _, b in stack) for name, stack in stacks.items()}
     flops = 2 * sum(n * k for n, k, _ in gguf)
     names = list(stacks)
@@ -60,7 +60,7 @@ def main() -> None:
     print("|---" * (len(names) + 1 + ratio) + "|")
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=gen) for k in {k for _, k in SHAPES}}
-        run = [name for name in names if m <= native_quant_max_rows(name)]
+        run = [name for name in names if m <= native_quant_max_rows(name, nk.variant.name)]
         best = dict.fromkeys(run, float("inf"))
         for _ in range(args.passes if m <= 64 else 2):
             for name in run:

@@ -26,11 +26,12 @@ Quantized weights keep their GGUF blocks' values (never dequantized at load). Fe
 multiplies it with the activations rounded to int16 per 32-block (``PLINTH_CPU_ACTIVATIONS``,
 default "int16"): exact integer products, and a rounding at most 2^-16 of the block's largest
 activation, which kept SmolLM2-135M's log-probs within 1.5e-3 nats of the dequantized fp32 model.
-With the AVX-512 build, int16 activations take a q4_1 weight laid out once at load in 16-row panels
-(format ``"q4_1p16"``, ``PLINTH_CPU_Q4_1_GROUPS``): one 512-bit vector holds a pair of columns of 16
-rows as int16 lanes for VNNI's ``vpdpwssd``, each block is unpacked once for up to 4 activation
-rows, and the kernel takes every row count, prefill included (1.1x the 4-row groups at 1 row,
-1.5-1.6x at 8-64, 2x the dequantized fp32 panels at 512 on a Zen 4). On request (``"4"``) 4-row
+Int16 activations take a q4_1 weight laid out once at load in 16-row panels (format ``"q4_1p16"``,
+``PLINTH_CPU_Q4_1_GROUPS``): one 512-bit vector holds a pair of columns of 16 rows as int16 lanes
+for VNNI's ``vpdpwssd``, each block is unpacked once for up to 4 activation rows, and the AVX-512
+build's kernel takes every row count, prefill included (1.1x the 4-row groups at 1 row, 1.5-1.6x at
+8-64, 2x the dequantized fp32 panels at 512 on a Zen 4); the AVX2 build's (two 256-bit halves,
+``vpmaddwd``) takes up to :data:`P16_MAX_ROWS` rows. On request (``"4"``) 4-row
 groups (format ``"q4_1x4"``: a block of four rows is one 512-bit load whose nibbles are int16 lanes)
 serve up to :data:`Q4_1X4_MAX_ROWS` rows. q8_0 weights take the same 16-row panels (format
 ``"q8_0p16"``). Multiplying fp32 activations as given ("fp32") is exact up to fp32 rounding but
@@ -83,9 +84,9 @@ KEEP16_ENV = "PLINTH_CPU_KEEP_16BIT"
 #: Activation handling for quantized weights at few rows: "int16" (default), "fp32" or "int8".
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
 ACTIVATION_MODES = ("int16", "fp32", "int8")
-#: q4_1 weights under int16 activations: "16" laid out in 16-row panels (``q4_1p16``, the AVX-512
-#: build only), "4" in 4-row groups (``q4_1x4``), "0" kept in GGUF row order; "auto" (default): 16-row
-#: panels where the AVX-512 build runs, GGUF order elsewhere. Measured (Zen 4, AVX-512 build, 2
+#: q4_1 weights under int16 activations: "16" laid out in 16-row panels (``q4_1p16``, and q8_0 in
+#: ``q8_0p16``), "4" in 4-row groups (``q4_1x4``), "0" kept in GGUF row order; "auto" (default): the
+#: 16-row panels under either build (the AVX2 build's: see :data:`P16_MAX_ROWS`). Measured (Zen 4, AVX-512 build, 2
 #: threads, 30 SmolLM2-shaped q4_1 layers from memory, ``benchmarks/q4_1_layouts.py``; GFLOP/s
 #: q4_1x4 / q4_1p16): see :data:`Q4_1X4_MAX_ROWS` and the cpu README. 4-row groups against GGUF order
 #: (Zen 5, ``benchmarks/q4_1_layouts.py``): the AVX-512 build's 1.20x at 1 row, 1.5x at 4-16; the AVX2
@@ -265,12 +266,21 @@ NATIVE_QUANT_MAX_ROWS = 16
 Q4_1X4_MAX_ROWS = 64
 
 
-def native_quant_max_rows(fmt: str) -> int:
-    """The most rows of a product the per-block kernel takes for a weight of ``LinearWeight.format``
-    ``fmt``: above, the weight is dequantized (3 rows at a time, or whole into panels). A q4_1p16
-    weight's kernel unpacks each block once for 4 rows at a time, so it takes every row count."""
+#: The most rows the 16-row panel kernel takes, by native build. The AVX-512 build's (dpwssd, a block
+#: unpacked once for 4 rows) takes every row count. The AVX2 build's pays a vpmaddwd and a vpaddd
+#: per 16 products, no fewer operations than fp32 FMAs on dequantized weights: measured (AMD EPYC Zen 1,
+#: AVX2 build, 2 threads, 30 SmolLM2-shaped q4_1 layers from memory, GFLOP/s panel kernel / GGUF
+#: blocks dequantized 3 rows at a time): 1 row 24.7 / 10.4, 2 rows 35.8 / 17.0, 4 rows 38.1 / 29.4,
+#: 6 rows 39.6 / 34.0, 8 rows 38.4 / 38.5, 12 rows 36.1 / 46.3, 16 rows 39.6 / 51.2, 24 rows 42.2 / 56.5.
+P16_MAX_ROWS: dict[str, int] = {"avx512": UNBOUNDED, "avx2": 8}
+
+
+def native_quant_max_rows(fmt: str, variant: str = "avx512") -> int:
+    """The most rows of a product the per-block kernel of the native build ``variant`` takes for a
+    weight of ``LinearWeight.format`` ``fmt``: above, the weight is dequantized (3 rows at a time, or
+    whole into panels). See :data:`P16_MAX_ROWS` for the 16-row panels."""
     if fmt in (Q4_1P16, Q8_0P16):
-        return UNBOUNDED
+        return P16_MAX_ROWS.get(variant, P16_MAX_ROWS["avx2"])
     return Q4_1X4_MAX_ROWS if fmt == Q4_1X4 else NATIVE_QUANT_MAX_ROWS
 
 
@@ -417,9 +427,7 @@ class NativeGemm(CpuGemm):
         # groups (pack_q4_1x4) where that pays
         groups = _mode("groups", None, GROUPS_ENV, GROUPS_MODES)
         if groups == "auto":
-            groups = "16" if native.variant is AVX512 else "0"
-        if groups == "16" and native.variant is not AVX512:
-            raise ValueError(f"{GROUPS_ENV}=16: 16-row q4_1 panels need the AVX-512 build, not {native.variant.name}")
+            groups = "16"
         #: the layout int16 activations take q4_1 weights in (None: GGUF order)
         self.q4_1_layout = {"16": Q4_1P16, "4": Q4_1X4}.get(groups) if activations == "int16" else None
         #: ... and q8_0 weights: the 16-row panels with q4_1's
@@ -473,12 +481,12 @@ class NativeGemm(CpuGemm):
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
         """Keep q4_1/q8_0 blocks (the bias in fp32); other formats are dequantized.
 
-        With int16 activations (the default) and the AVX-512 build (``PLINTH_CPU_Q4_1_GROUPS``), a
-        q4_1 weight is laid out once in 16-row panels (format ``"q4_1p16"``, the same values: see
-        :meth:`NativeKernels.pack_q4_1p16`) for the VNNI kernel, which takes every row count, and a
-        q8_0 weight in the same panels (``"q8_0p16"``); or on request q4_1 in 4-row groups
-        (``"q4_1x4"``, :meth:`NativeKernels.pack_q4_1x4`). Otherwise both keep their GGUF blocks as
-        they are. float64
+        With int16 activations (the default; ``PLINTH_CPU_Q4_1_GROUPS``), a q4_1 weight is laid out
+        once in 16-row panels (format ``"q4_1p16"``, the same values: see
+        :meth:`NativeKernels.pack_q4_1p16`) for the int16 panel kernel (up to
+        :func:`native_quant_max_rows` rows), and a q8_0 weight in the same panels (``"q8_0p16"``);
+        or on request q4_1 in 4-row groups (``"q4_1x4"``, :meth:`NativeKernels.pack_q4_1x4`).
+        Otherwise both keep their GGUF blocks as they are. float64
         dequantizes too (exactly: the blocks' values are fp32 numbers): the native kernels multiply
         and accumulate in fp32, an fp32 result in a float64 GEMM (conformance 1.3 found it)."""
         if weight.format not in QUANT_FORMATS or self.dtype == torch.float64:
@@ -543,7 +551,7 @@ class NativeGemm(CpuGemm):
         m = x.shape[0]
         if self.quant_batched == "bf16" and m >= QUANT_BF16_MIN_ROWS and self.activations != "int8":
             y = self._linear_bf16(xf, weight)  # in bf16 through oneDNN
-        elif m <= native_quant_max_rows(weight.format):
+        elif m <= native_quant_max_rows(weight.format, native.variant.name):
             y = native.gemm_quant(weight.format, xf, blocks, weight.bias, n, activations=self.activations)
         else:  # fp32 activations, or int8 as in the few-row path
             if self.activations == "int8":

@@ -71,7 +71,8 @@ QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (
 #: groups"), made at load by :meth:`NativeKernels.pack_q4_1x4`, for int16 activations.
 Q4_1X4 = "q4_1x4"
 #: ... in 16-row panels (``csrc/kernels.c``, "q4_1 in 16-row panels"), made at load by
-#: :meth:`NativeKernels.pack_q4_1p16`, for int16 activations on VNNI dot products (the AVX-512 build).
+#: :meth:`NativeKernels.pack_q4_1p16`, for int16 activations (VNNI dot products in the AVX-512 build,
+#: vpmaddwd in the AVX2 build).
 Q4_1P16 = "q4_1p16"
 #: ... and of a q8_0 weight in the same panels (made by :meth:`NativeKernels.pack_q8_0p16`).
 Q8_0P16 = "q8_0p16"
@@ -384,8 +385,6 @@ class NativeKernels:
         y = torch.empty(M, n, dtype=torch.float32)
         if fmt in INT16_LAYOUTS and activations != "int16":
             raise ValueError(f"a {fmt} weight takes int16 activations, not {activations}")
-        if fmt in PANELS16_OF and self.variant is not AVX512:
-            raise ValueError(f"a {fmt} weight needs the AVX-512 build, not {self.variant.name}")
         code = BLOCK_LAYOUTS[fmt]
         bias_ptr = None if bias is None else bias.data_ptr()
         if self.lib.plinth_gemm_quant(
@@ -410,7 +409,7 @@ class NativeKernels:
 
     def pack_q4_1p16(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """A q4_1 weight [n, k] (its GGUF blocks, row after row) laid out in 16-row panels for the
-        AVX-512 build's int16 VNNI kernel (format ``"q4_1p16"``, any row count; every other quantized
+        int16 panel kernel (format ``"q4_1p16"``, any row count; both builds; every other quantized
         entry point takes it too): the same 20 bytes per 32 values, zero rows filling a last panel
         where n is not a multiple of 16. ``blocks`` may be freed afterwards."""
         return self._pack_panels16(Q4_1P16, blocks, n, k)
@@ -422,8 +421,6 @@ class NativeKernels:
 
     def _pack_panels16(self, layout: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
         fmt = PANELS16_OF[layout]
-        if self.variant is not AVX512:
-            raise ValueError(f"{layout} weights need the AVX-512 build (VNNI), not {self.variant.name}")
         if k % 32 or blocks.numel() * blocks.element_size() != n * (k // 32) * QUANT_FORMATS[fmt][2]:
             raise ValueError(f"{blocks.numel() * blocks.element_size()} bytes are not the {fmt} blocks of {n} x {k}")
         src = blocks.contiguous()

@@ -106,7 +106,7 @@ def test_quantized_experts_keep_their_blocks(t: int) -> None:
     dn = [quantize_q8_0(w) for w in down]
     moe = CpuBackend().moe_kernels(spec)
     weights = moe.prepare_quantized(gu, dn)
-    layout = getattr(moe.gemm, "q8_0_layout", None)  # the AVX-512 build: 16-row panels (q8_0p16), packed at load
+    layout = getattr(moe.gemm, "q8_0_layout", None)  # the native builds: 16-row panels (q8_0p16), packed at load
     assert weights.format == (layout or "q8_0") and weights.gate_up is None
     if layout is None:
         assert weights.data["gate_up"][3].data["blocks"].data_ptr() == gu[3].blocks.data_ptr()  # the blocks themselves

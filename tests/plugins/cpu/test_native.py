@@ -200,10 +200,10 @@ def test_pack_f32_layout(nk: NativeKernels, threads: int) -> None:
 @pytest.mark.parametrize("k", [96, 128])  # 3 and 4 blocks a row: the AVX-512 build's pair loop and its odd block
 def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: int, activations: str) -> None:
     """fp32 activations: the dequantized weight's product. int16/int8 activations (int16 on the
-    per-block kernels only): within the rounding bound. On every path (few rows: per-block kernel,
-    q4_1 in 16-row panels at every row count under the AVX-512 build; more: dequantized rows, or
-    panels, from 17 rows on the AVX-512 build and 65 on AVX2), and a row's result does not depend on
-    the batch size beyond that."""
+    per-block kernels only): within the rounding bound. On every path (int16: the 16-row panel kernel,
+    at every row count under the AVX-512 build and up to 8 rows under AVX2; fp32 and int8: few rows on
+    the per-block kernel; more: dequantized rows, or panels, from 17 rows on the AVX-512 build and 65
+    on AVX2), and a row's result does not depend on the batch size beyond that."""
     gen = torch.Generator().manual_seed(7)
     n = 40
     qw = _q4_1(n, k, gen) if fmt == "q4_1" else quantize_q8_0(torch.randn(n, k, generator=gen))
@@ -212,9 +212,9 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
     x = torch.randn(m, k, generator=gen)
     gemm = NativeGemm(torch.float32, nk, activations=activations)
     prepared = gemm.prepare_quantized(qw, b)
-    # laid out in 16-row panels (the same values) where the AVX-512 build runs
-    paneled = activations == "int16" and nk.variant.name == "avx512"
-    assert prepared.format == (f"{fmt}p16" if paneled else fmt) and prepared.weight is None  # never dequantized
+    # int16 activations take the weight laid out in 16-row panels (the same values) on both builds
+    assert prepared.format == (f"{fmt}p16" if activations == "int16" else fmt)
+    assert prepared.weight is None  # never dequantized
     y = gemm.linear(x, prepared)
     ref = F.linear(x.double(), w.double(), b.double()).float()
     row = gemm.linear(x[:1], prepared)
@@ -222,7 +222,7 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
         assert ((y - ref).abs() <= _activation_error_bound(x, w)).all()
         assert (y - ref).abs().max() > 1e-4  # really rounded activations
         torch.testing.assert_close(y[:1], row, rtol=1e-5, atol=1e-5)
-    elif activations == "int16" and m <= gemm_mod.native_quant_max_rows(prepared.format):
+    elif activations == "int16" and m <= gemm_mod.native_quant_max_rows(prepared.format, nk.variant.name):
         err = (y - ref).abs()
         assert (err <= _activation_error_bound(x, w, levels=32767)).all()
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=2e-3)
@@ -237,8 +237,8 @@ def test_quantized_linear(nk: NativeKernels, threads: int, fmt: str, m: int, k: 
 #: that multiply it).
 LAYOUTS = {
     "q4_1x4": ("q4_1", lambda n, k: (n + 3) // 4 * ((k // 32 * 80 + 63) // 64 * 64), ("avx2", "avx512")),
-    "q4_1p16": ("q4_1", lambda n, k: (n + 15) // 16 * (k // 32) * 320, ("avx512",)),
-    "q8_0p16": ("q8_0", lambda n, k: (n + 15) // 16 * (k // 32) * 544, ("avx512",)),
+    "q4_1p16": ("q4_1", lambda n, k: (n + 15) // 16 * (k // 32) * 320, ("avx2", "avx512")),
+    "q8_0p16": ("q8_0", lambda n, k: (n + 15) // 16 * (k // 32) * 544, ("avx2", "avx512")),
 }
 
 
@@ -306,20 +306,24 @@ def test_quant_layouts_gemm_matches_the_row_kernel(
 
 
 @needs_native
-def test_q4_1x4_builds_agree_bit_for_bit(threads: int) -> None:
-    """The AVX2 build runs the AVX-512 build's lanes in two halves: the same sums, bit for bit."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("m", [3, 9])  # a partial 4-row tile; two tiles and a row
+def test_quant_layouts_builds_agree_bit_for_bit(threads: int, layout: str, m: int) -> None:
+    """The AVX2 build runs the AVX-512 build's lanes in two halves (the same exact integer block
+    sums, then the same fp32 chain per block): the same results, bit for bit."""
     if len(RUNNABLE) < 2:
         pytest.skip(f"one build runs on this CPU ({RUNNABLE[0]}): nothing to compare")
     gen = torch.Generator().manual_seed(5)
-    qw, x = _q4_1(1040, 1536, gen), torch.randn(3, 1536, generator=gen)
+    qw, x = _weight(layout, 1040, 1536, gen), torch.randn(m, 1536, generator=gen)
+    b = torch.randn(1040, generator=gen)
     results = []
     for variant in RUNNABLE:
         kernels = _kernels(variant)
         before = kernels.num_threads()
         kernels.set_num_threads(threads)
         try:
-            packed = kernels.pack_q4_1x4(qw.blocks, 1040, 1536)
-            results.append(kernels.gemm_quant("q4_1x4", x, packed, None, 1040, "int16"))
+            packed = _packer(kernels, layout)(qw.blocks, 1040, 1536)
+            results.append(kernels.gemm_quant(layout, x, packed, b, 1040, "int16"))
         finally:
             kernels.set_num_threads(before)
     assert all(torch.equal(r, results[0]) for r in results[1:])
@@ -339,39 +343,17 @@ def test_quant_layouts_take_int16_activations_only(nk: NativeKernels, layout: st
 
 
 @needs_native
-def test_q4_1p16_needs_the_avx512_build() -> None:
-    """The AVX2 build has no VNNI kernel for 16-row panels: packing for it, multiplying with it and
-    asking for the layout are errors that say so (runs where the AVX2 build loads: every x86 host)."""
-    kernels = _kernels("avx2")
-    qw = _q4_1(16, 64, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="q4_1p16 weights need the AVX-512 build"):
-        kernels.pack_q4_1p16(qw.blocks, 16, 64)
-    with pytest.raises(ValueError, match="q8_0p16 weights need the AVX-512 build"):
-        kernels.pack_q8_0p16(quantize_q8_0(torch.randn(16, 64)).blocks, 16, 64)
-    with pytest.raises(ValueError, match="a q4_1p16 weight needs the AVX-512 build, not avx2"):
-        kernels.gemm_quant("q4_1p16", torch.randn(1, 64), torch.zeros(320, dtype=torch.uint8), None, 16, "int16")
-    gemm = NativeGemm(torch.float32, kernels)
-    assert gemm.q4_1_layout is None and gemm.q8_0_layout is None  # auto: GGUF order on the AVX2 build
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PLINTH_CPU_Q4_1_GROUPS", "16")
-        with pytest.raises(ValueError, match="PLINTH_CPU_Q4_1_GROUPS=16: 16-row q4_1 panels need the AVX-512 build"):
-            NativeGemm(torch.float32, kernels)
-
-
-@needs_native
 def test_q4_1_groups_follow_the_build_and_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PLINTH_CPU_Q4_1_GROUPS``: "auto" (default) lays q4_1 rows out in 16-row panels under the
-    AVX-512 build and keeps GGUF order under AVX2 (its 4-row kernel is slower from memory), "16"
-    panels, "4" 4-row groups, "0" GGUF order; fp32 and int8 activations keep GGUF order; a bad value
-    is named. Whatever the layout, the results agree up to fp32 rounding."""
+    """``PLINTH_CPU_Q4_1_GROUPS``: "auto" (default) and "16" lay q4_1 and q8_0 rows out in 16-row
+    panels under both builds, "4" q4_1 in 4-row groups, "0" GGUF order; fp32 and int8 activations keep
+    GGUF order; a bad value is named. Whatever the layout, the results agree up to fp32 rounding."""
     gen = torch.Generator().manual_seed(3)
     qw, x = _q4_1(40, 96, gen), torch.randn(2, 96, generator=gen)
-    avx512 = nk.variant.name == "avx512"
     monkeypatch.delenv("PLINTH_CPU_Q4_1_GROUPS", raising=False)
     auto = NativeGemm(torch.float32, nk)
-    assert (auto.q4_1_layout, auto.q8_0_layout) == (("q4_1p16", "q8_0p16") if avx512 else (None, None))
+    assert (auto.q4_1_layout, auto.q8_0_layout) == ("q4_1p16", "q8_0p16")
     gemms = {}
-    for mode in ("16", "4", "0") if avx512 else ("4", "0"):
+    for mode in ("16", "4", "0"):
         monkeypatch.setenv("PLINTH_CPU_Q4_1_GROUPS", mode)
         gemms[mode] = NativeGemm(torch.float32, nk)
         assert [NativeGemm(torch.float32, nk, activations=a).q4_1_layout for a in ("fp32", "int8")] == [None, None]

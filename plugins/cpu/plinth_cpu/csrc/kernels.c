@@ -1979,6 +1979,127 @@ static void p16_panels_rows(const qgemm_ctx *c, const int64_t ps[2], int np, int
     }
 }
 
+#else
+/* The AVX2 build reads the same panels as two 256-bit halves (rows 0-7 and 8-15): without dpwssd a
+ * pair of columns costs a vpmaddwd and a vpaddd per row and half. */
+#ifndef P16_ROWS
+#define P16_ROWS 4
+#endif
+#ifndef P16_CHUNK
+#define P16_CHUNK 128
+#endif
+#ifndef P16_PF_DIST
+#define P16_PF_DIST 1280
+#endif
+/* One int16 column pair of 8 rows (half h of a panel's pair j = 4t + s of block B), as 8 int32
+ * lanes of two int16 each: q4_1 from nibble s of vector t, q8_0 sign-extended from its bytes. */
+static inline __attribute__((always_inline)) __m256i p16_pair_avx2(int q8, const uint8_t *B, int t, int s, int h) {
+    if (q8) return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(B + 32 * (4 * t + s) + 16 * h)));
+    __m256i v = _mm256_load_si256((const __m256i *)(B + 64 * t + 32 * h));
+    const __m256i m15 = _mm256_set1_epi16(0x0F);
+    return s == 0 ? _mm256_and_si256(v, m15)
+         : s == 3 ? _mm256_srli_epi16(v, 12)
+                  : _mm256_and_si256(_mm256_srli_epi16(v, 4 * s), m15);
+}
+
+/* np (1 or 2) panels against nr (1 to P16_ROWS) int16 activation rows; acc[r][p][h]: row r's sums
+ * of panel p's rows 8h..8h+7. */
+static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t *const P[2], int np,
+                                                            const block_q16_x *x, int64_t nb, int nr,
+                                                            __m256 acc[P16_ROWS][2][2]) {
+    const int64_t bytes = q8 ? Q8P16_BYTES : P16_BYTES;
+    for (int r = 0; r < nr; r++)
+        for (int p = 0; p < np; p++) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i di[P16_ROWS][2][2];
+        for (int r = 0; r < nr; r++)
+            for (int p = 0; p < np; p++) di[r][p][0] = di[r][p][1] = _mm256_setzero_si256();
+        for (int p = 0; p < np; p++) {
+            const uint8_t *B = P[p] + b * bytes;
+            if (P16_PF_DIST)
+                for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)B + o + P16_PF_DIST, _MM_HINT_T0);
+        }
+        for (int t = 0; t < 4; t++)
+            for (int s = 0; s < 4; s++) {
+                __m256i xp[P16_ROWS];
+                for (int r = 0; r < nr; r++) {
+                    int32_t pair;
+                    memcpy(&pair, x[r * nb + b].q + 2 * (4 * t + s), sizeof pair);
+                    xp[r] = _mm256_set1_epi32(pair);
+                }
+                for (int p = 0; p < np; p++)
+                    for (int h = 0; h < 2; h++) {
+                        __m256i w = p16_pair_avx2(q8, P[p] + b * bytes, t, s, h);
+                        for (int r = 0; r < nr; r++) {
+                            di[r][p][h] = _mm256_add_epi32(di[r][p][h], _mm256_madd_epi16(w, xp[r]));
+                        }
+                    }
+            }
+        for (int p = 0; p < np; p++) {
+            const uint8_t *B = P[p] + b * bytes;
+            for (int h = 0; h < 2; h++) {
+                __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(B + (q8 ? 512 : 256) + 16 * h)));
+                __m256 mw = q8 ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(B + 288 + 16 * h)));
+                for (int r = 0; r < nr; r++) {
+                    const block_q16_x *xb = x + r * nb + b;
+                    __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d));
+                    acc[r][p][h] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(di[r][p][h]), acc[r][p][h]);
+                    if (!q8) acc[r][p][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[r][p][h]);
+                }
+            }
+        }
+    }
+}
+
+static void p16_tile_n(int q8, const uint8_t *const P[2], int np, const block_q16_x *x, int64_t nb, int nr,
+                       __m256 acc[P16_ROWS][2][2]) {
+#define P16_CASE(R)                                                                                    \
+    case R:                                                                                            \
+        if (q8) np == 2 ? p16_tile(1, P, 2, x, nb, R, acc) : p16_tile(1, P, 1, x, nb, R, acc);         \
+        else np == 2 ? p16_tile(0, P, 2, x, nb, R, acc) : p16_tile(0, P, 1, x, nb, R, acc);            \
+        return;
+    switch (nr) {
+        P16_CASE(1)
+#if P16_ROWS >= 2
+        P16_CASE(2)
+#endif
+#if P16_ROWS >= 3
+        P16_CASE(3)
+#endif
+#if P16_ROWS >= 4
+        P16_CASE(4)
+#endif
+    }
+#undef P16_CASE
+}
+
+static void p16_panels_rows(const qgemm_ctx *c, const int64_t ps[2], int np, int64_t m0, int64_t m1) {
+    const uint8_t *P[2];
+    for (int k = 0; k < np; k++) P[k] = (const uint8_t *)c->w + (size_t)ps[k] * c->nb * p16_block_bytes(c->fmt);
+    for (int64_t m = m0; m < m1; m += P16_ROWS) {
+        int nr = (int)(m1 - m < P16_ROWS ? m1 - m : P16_ROWS);
+        __m256 acc[P16_ROWS][2][2];
+        p16_tile_n(c->fmt == FMT_Q8_0P16, P, np, c->xq16 + m * c->nb, c->nb, nr, acc);
+        for (int k = 0; k < np; k++) {
+            int64_t n0 = ps[k] * 16, left = c->N - n0 < 16 ? c->N - n0 : 16;
+            float bias[16] = {0}, out[16];
+            if (c->bias) memcpy(bias, c->bias + n0, (size_t)left * sizeof(float));
+            for (int r = 0; r < nr; r++) {
+                float *dst = c->y + (m + r) * c->N + n0;
+                __m256 lo = _mm256_add_ps(acc[r][k][0], _mm256_loadu_ps(bias));
+                __m256 hi = _mm256_add_ps(acc[r][k][1], _mm256_loadu_ps(bias + 8));
+                if (left == 16) {
+                    _mm256_storeu_ps(dst, lo), _mm256_storeu_ps(dst + 8, hi);
+                } else {
+                    _mm256_storeu_ps(out, lo), _mm256_storeu_ps(out + 8, hi);
+                    memcpy(dst, out, (size_t)left * sizeof(float));
+                }
+            }
+        }
+    }
+}
+#endif
+
 static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
     const qgemm_ctx *c = (const qgemm_ctx *)p;
     /* two panels at a time from two halves of the range (two weight streams), then the odd one */
@@ -1992,18 +2113,16 @@ static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
         if ((end - begin) % 2) ps[0] = end - 1, p16_panels_rows(c, ps, 1, m0, m1);
     }
 }
-#endif
 
 /* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b with activations (act) in fp32 as given, or rounded
  * per 32-block to int8 or int16 first (q4_1x4 and q4_1p16: int16 only; -2 for another act). The
- * GGUF layouts and q4_1x4 serve few rows; q4_1p16 (AVX-512 build only: -3 on another) any number.
+ * GGUF layouts and q4_1x4 serve few rows; the 16-row panels (q4_1p16, q8_0p16) any number.
  * Returns 0, or -1 when out of memory. */
 int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const float *bias, float *y, int64_t M,
                       int64_t N, int64_t K) {
     int64_t nb = K / QK;
     int panels16 = fmt == FMT_Q4_1P16 || fmt == FMT_Q8_0P16;
     if ((fmt == FMT_Q4_1X4 || panels16) && act != ACT_INT16) return -2;
-    if (panels16 && !PLINTH_AVX512) return -3;
     size_t per_block = act == ACT_INT8 ? sizeof(block_q8_x) : act == ACT_INT16 ? sizeof(block_q16_x) : sizeof(float);
     void *scratch = malloc(per_block * (size_t)(M * nb));
     if (!scratch) return -1;
@@ -2023,14 +2142,12 @@ int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const flo
                    nb,
                    row_bytes};
     if (act != ACT_F32 || fmt == 0) parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
-#if PLINTH_AVX512
     if (panels16) {
         int64_t panels = (N + 15) / 16;
         parallel_for(qgemm_p16_range, &c, panels, grain_for(panels, 2));
         free(scratch);
         return 0;
     }
-#endif
     if (fmt == FMT_Q4_1X4) {
         int64_t groups = (N + 3) / 4;
         parallel_for(qgemm_x4_range, &c, groups, grain_for(groups, 4 * X4_STREAMS));
@@ -2075,30 +2192,37 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
     dequant_ctx *c = (dequant_ctx *)p;
     for (int64_t n = begin; n < end; n++) {
         float *o = c->out + n * c->K;
-        if (c->fmt == FMT_Q8_0P16) { /* row r of its panel: see "q8_0 in the same 16-row panels" */
+        if (c->fmt == FMT_Q8_0P16) { /* row r of its panel: its byte pair of each column pair, then d */
             int r = (int)(n % 16);
             for (int64_t b = 0; b < c->nb; b++) {
                 const uint8_t *base = (const uint8_t *)c->w + ((size_t)(n / 16) * c->nb + b) * Q8P16_BYTES;
+                int8_t q[QK];
                 uint16_t dh;
+                for (int j = 0; j < QK / 2; j++) memcpy(q + 2 * j, base + 32 * j + 2 * r, 2);
                 memcpy(&dh, base + 512 + 2 * r, sizeof dh);
-                float d = fp16_to_f32(dh);
-                for (int k = 0; k < QK; k++) o[b * QK + k] = d * (float)(int8_t)base[32 * (k / 2) + 2 * r + k % 2];
+                __m256 d = _mm256_set1_ps(fp16_to_f32(dh));
+                for (int i = 0; i < 4; i++) {
+                    __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
+                    _mm256_storeu_ps(o + b * QK + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+                }
             }
             continue;
         }
-        if (c->fmt == FMT_Q4_1P16) { /* row r of its panel: see "q4_1 in 16-row panels" */
+        if (c->fmt == FMT_Q4_1P16) { /* row r of its panel: columns 8t..8t+7 are the 8 nibbles of its
+                                       * two words in vector t (column 8t + 2s + h: nibble s of word h) */
             int r = (int)(n % 16);
+            const __m256i shifts = _mm256_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28), m15 = _mm256_set1_epi32(0x0F);
             for (int64_t b = 0; b < c->nb; b++) {
                 const uint8_t *base = (const uint8_t *)c->w + ((size_t)(n / 16) * c->nb + b) * P16_BYTES;
                 uint16_t dh, mh;
                 memcpy(&dh, base + 256 + 2 * r, sizeof dh);
                 memcpy(&mh, base + 288 + 2 * r, sizeof mh);
-                float d = fp16_to_f32(dh), m = fp16_to_f32(mh);
-                for (int k = 0; k < QK; k++) {
-                    int j = k / 2, t = j / 4, s = j % 4;
-                    uint16_t word;
-                    memcpy(&word, base + 64 * t + 2 * (2 * r + k % 2), sizeof word);
-                    o[b * QK + k] = fmaf(d, (float)((word >> (4 * s)) & 0x0F), m);
+                __m256 d = _mm256_set1_ps(fp16_to_f32(dh)), m = _mm256_set1_ps(fp16_to_f32(mh));
+                for (int t = 0; t < 4; t++) {
+                    int32_t words;
+                    memcpy(&words, base + 64 * t + 4 * r, sizeof words);
+                    __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(words), shifts), m15);
+                    _mm256_storeu_ps(o + b * QK + 8 * t, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(v), m));
                 }
             }
             continue;

@@ -101,7 +101,7 @@ def test_default_model_native_q4_1(activations: str, monkeypatch: pytest.MonkeyP
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
     prompt = "The three primary colors are"
     native = LLM(backend="cpu", max_model_len=256)
-    paneled = activations == "int16"  # p16: int16 activations take 16-row panels on the AVX-512 build
+    paneled = activations == "int16"  # p16: int16 activations take 16-row panels on the native builds
     kept = ("q8_0", "q8_0p16") if paneled else ("q8_0",)
     assert native.engine.model.lm_head.weight.format in kept  # tied Q8_0 embedding, its blocks kept
     kept = ("q4_1", "q4_1p16") if paneled else ("q4_1",)
