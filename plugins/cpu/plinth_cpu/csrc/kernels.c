@@ -1874,7 +1874,6 @@ void plinth_pack_q4_1p16(const void *w, void *out, int64_t N, int64_t K) {
     parallel_for(pack_p16_range, &c, panels, grain_for(panels, 4));
 }
 
-#if PLINTH_AVX512
 #ifndef P16_ROWS
 #define P16_ROWS 4
 #endif
@@ -1886,12 +1885,15 @@ void plinth_pack_q4_1p16(const void *w, void *out, int64_t N, int64_t K) {
 #ifndef P16_PF_DIST
 #define P16_PF_DIST 1280
 #endif
+#if PLINTH_AVX512
+/* acc[r][p]: row r's sums of panel p's 16 rows. */
+typedef __m512 p16_acc[P16_ROWS][2];
 /* np (1 or 2) panels against nr (1 to P16_ROWS) int16 activation rows: each block's quants are
  * unpacked once (a shift and a mask per pair of columns) for all nr rows; per row and panel a block
  * costs one vpmaddwd and 15 dpwssd, a conversion, the scale's product and two FMAs. */
 static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t *const P[2], int np,
                                                             const block_q16_x *x, int64_t nb, int nr,
-                                                            __m512 acc[P16_ROWS][2]) {
+                                                            p16_acc acc) {
     const int64_t bytes = q8 ? Q8P16_BYTES : P16_BYTES;
     const __m512i m15 = _mm512_set1_epi16(0x0F);
     for (int r = 0; r < nr; r++)
@@ -1945,52 +1947,11 @@ static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t
     }
 }
 
-static void p16_tile_n(int q8, const uint8_t *const P[2], int np, const block_q16_x *x, int64_t nb, int nr,
-                       __m512 acc[P16_ROWS][2]) {
-#define P16_CASE(R)                                                                                    \
-    case R:                                                                                            \
-        if (q8) np == 2 ? p16_tile(1, P, 2, x, nb, R, acc) : p16_tile(1, P, 1, x, nb, R, acc);         \
-        else np == 2 ? p16_tile(0, P, 2, x, nb, R, acc) : p16_tile(0, P, 1, x, nb, R, acc);            \
-        return;
-    switch (nr) {
-        P16_CASE(1)
-        P16_CASE(2)
-        P16_CASE(3)
-        P16_CASE(4)
-    }
-#undef P16_CASE
-}
-
-/* Panels ps[0..np) against rows [m0, m1), P16_ROWS at a time, into y (with the bias). */
-static void p16_panels_rows(const qgemm_ctx *c, const int64_t ps[2], int np, int64_t m0, int64_t m1) {
-    const uint8_t *P[2];
-    for (int k = 0; k < np; k++) P[k] = (const uint8_t *)c->w + (size_t)ps[k] * c->nb * p16_block_bytes(c->fmt);
-    for (int64_t m = m0; m < m1; m += P16_ROWS) {
-        int nr = (int)(m1 - m < P16_ROWS ? m1 - m : P16_ROWS);
-        __m512 acc[P16_ROWS][2];
-        p16_tile_n(c->fmt == FMT_Q8_0P16, P, np, c->xq16 + m * c->nb, c->nb, nr, acc);
-        for (int k = 0; k < np; k++) {
-            int64_t n0 = ps[k] * 16, left = c->N - n0;
-            __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-            __m512 bias = c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + n0) : _mm512_setzero_ps();
-            for (int r = 0; r < nr; r++)
-                _mm512_mask_storeu_ps(c->y + (m + r) * c->N + n0, mask, _mm512_add_ps(acc[r][k], bias));
-        }
-    }
-}
-
 #else
 /* The AVX2 build reads the same panels as two 256-bit halves (rows 0-7 and 8-15): without dpwssd a
  * pair of columns costs a vpmaddwd and a vpaddd per row and half. */
-#ifndef P16_ROWS
-#define P16_ROWS 4
-#endif
-#ifndef P16_CHUNK
-#define P16_CHUNK 128
-#endif
-#ifndef P16_PF_DIST
-#define P16_PF_DIST 1280
-#endif
+/* acc[r][p][h]: row r's sums of panel p's rows 8h..8h+7. */
+typedef __m256 p16_acc[P16_ROWS][2][2];
 /* One int16 column pair of 8 rows (half h of a panel's pair j = 4t + s of block B), as 8 int32
  * lanes of two int16 each: q4_1 from nibble s of vector t, q8_0 sign-extended from its bytes. */
 static inline __attribute__((always_inline)) __m256i p16_pair_avx2(int q8, const uint8_t *B, int t, int s, int h) {
@@ -2002,11 +1963,11 @@ static inline __attribute__((always_inline)) __m256i p16_pair_avx2(int q8, const
                   : _mm256_and_si256(_mm256_srli_epi16(v, 4 * s), m15);
 }
 
-/* np (1 or 2) panels against nr (1 to P16_ROWS) int16 activation rows; acc[r][p][h]: row r's sums
- * of panel p's rows 8h..8h+7. */
+/* np (1 or 2) panels against nr (1 to P16_ROWS) int16 activation rows: per row, panel and half a
+ * block costs 16 vpmaddwd and 16 vpaddd, a conversion, the scale's product and two FMAs. */
 static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t *const P[2], int np,
                                                             const block_q16_x *x, int64_t nb, int nr,
-                                                            __m256 acc[P16_ROWS][2][2]) {
+                                                            p16_acc acc) {
     const int64_t bytes = q8 ? Q8P16_BYTES : P16_BYTES;
     for (int r = 0; r < nr; r++)
         for (int p = 0; p < np; p++) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
@@ -2050,9 +2011,11 @@ static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t
         }
     }
 }
+#endif
 
+/* p16_tile with nr and np as constants. */
 static void p16_tile_n(int q8, const uint8_t *const P[2], int np, const block_q16_x *x, int64_t nb, int nr,
-                       __m256 acc[P16_ROWS][2][2]) {
+                       p16_acc acc) {
 #define P16_CASE(R)                                                                                    \
     case R:                                                                                            \
         if (q8) np == 2 ? p16_tile(1, P, 2, x, nb, R, acc) : p16_tile(1, P, 1, x, nb, R, acc);         \
@@ -2073,32 +2036,46 @@ static void p16_tile_n(int q8, const uint8_t *const P[2], int np, const block_q1
 #undef P16_CASE
 }
 
+/* Rows m..m+nr-1 of panel k's sums (acc), plus the bias, into y from column n0. */
+#if PLINTH_AVX512
+static inline void p16_store(const qgemm_ctx *c, p16_acc acc, int nr, int k, int64_t m, int64_t n0) {
+    int64_t left = c->N - n0;
+    __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    __m512 bias = c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < nr; r++)
+        _mm512_mask_storeu_ps(c->y + (m + r) * c->N + n0, mask, _mm512_add_ps(acc[r][k], bias));
+}
+#else
+/* ... in two halves, a last partial panel through a buffer */
+static inline void p16_store(const qgemm_ctx *c, p16_acc acc, int nr, int k, int64_t m, int64_t n0) {
+    int64_t left = c->N - n0 < 16 ? c->N - n0 : 16;
+    float bias[16] = {0}, out[16];
+    if (c->bias) memcpy(bias, c->bias + n0, (size_t)left * sizeof(float));
+    for (int r = 0; r < nr; r++) {
+        float *dst = c->y + (m + r) * c->N + n0;
+        __m256 lo = _mm256_add_ps(acc[r][k][0], _mm256_loadu_ps(bias));
+        __m256 hi = _mm256_add_ps(acc[r][k][1], _mm256_loadu_ps(bias + 8));
+        if (left == 16) {
+            _mm256_storeu_ps(dst, lo), _mm256_storeu_ps(dst + 8, hi);
+        } else {
+            _mm256_storeu_ps(out, lo), _mm256_storeu_ps(out + 8, hi);
+            memcpy(dst, out, (size_t)left * sizeof(float));
+        }
+    }
+}
+#endif
+
+/* Panels ps[0..np) against rows [m0, m1), P16_ROWS at a time, into y (with the bias). */
 static void p16_panels_rows(const qgemm_ctx *c, const int64_t ps[2], int np, int64_t m0, int64_t m1) {
     const uint8_t *P[2];
     for (int k = 0; k < np; k++) P[k] = (const uint8_t *)c->w + (size_t)ps[k] * c->nb * p16_block_bytes(c->fmt);
     for (int64_t m = m0; m < m1; m += P16_ROWS) {
         int nr = (int)(m1 - m < P16_ROWS ? m1 - m : P16_ROWS);
-        __m256 acc[P16_ROWS][2][2];
+        p16_acc acc;
         p16_tile_n(c->fmt == FMT_Q8_0P16, P, np, c->xq16 + m * c->nb, c->nb, nr, acc);
-        for (int k = 0; k < np; k++) {
-            int64_t n0 = ps[k] * 16, left = c->N - n0 < 16 ? c->N - n0 : 16;
-            float bias[16] = {0}, out[16];
-            if (c->bias) memcpy(bias, c->bias + n0, (size_t)left * sizeof(float));
-            for (int r = 0; r < nr; r++) {
-                float *dst = c->y + (m + r) * c->N + n0;
-                __m256 lo = _mm256_add_ps(acc[r][k][0], _mm256_loadu_ps(bias));
-                __m256 hi = _mm256_add_ps(acc[r][k][1], _mm256_loadu_ps(bias + 8));
-                if (left == 16) {
-                    _mm256_storeu_ps(dst, lo), _mm256_storeu_ps(dst + 8, hi);
-                } else {
-                    _mm256_storeu_ps(out, lo), _mm256_storeu_ps(out + 8, hi);
-                    memcpy(dst, out, (size_t)left * sizeof(float));
-                }
-            }
-        }
+        for (int k = 0; k < np; k++) p16_store(c, acc, nr, k, m, ps[k] * 16);
     }
 }
-#endif
 
 static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
     const qgemm_ctx *c = (const qgemm_ctx *)p;
