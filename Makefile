@@ -38,7 +38,7 @@ AVX2_PATHS := PLINTH_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=av
 test: $(STAMP)
 	$(VENV)/bin/ruff check core plugins tests conformance
 	$(VENV)/bin/mypy core/plinth conformance/plinth_conformance
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25  # the slowest tests named in every run: CI has a time budget
 	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 		echo "AVX-512 host: the cpu backend again on its AVX2 paths ($(AVX2_PATHS))"; \
 		$(AVX2_PATHS) $(PY) -m pytest -q -p no:cacheprovider tests/plugins/cpu && \

@@ -255,7 +255,9 @@ QUANT_BATCHED_MODES = ("fp32", "bf16")
 #: same layers, GFLOP/s fp32 panels / bf16: 64 rows 328 / 322, 96 rows 322 / 409, 128 rows 366 / 476).
 QUANT_BF16_MIN_ROWS = 96
 
-#: Quantized products with at most this many rows use the per-block kernel.
+#: Quantized products with at most this many rows use the per-block kernel (GGUF order: with the
+#: 16-row panels the default on both builds, under ``PLINTH_CPU_Q4_1_GROUPS=0`` and int8 activations).
+#: Measured on a Zen 5's AVX2 build; on a Zen 1 (AVX2 build, int16) the dequantized rows won from 6-8.
 NATIVE_QUANT_MAX_ROWS = 16
 #: ... and q4_1 weights in 4-row groups (``q4_1x4``, int16 activations) up to this many: a group's
 #: blocks stay in L1 while every activation row passes them, so the kernel keeps its speed as rows
