@@ -277,12 +277,12 @@ Q4_1X4_MAX_ROWS = 64
 P16_MAX_ROWS: dict[str, int] = {"avx512": UNBOUNDED, "avx2": 8}
 
 
-def native_quant_max_rows(fmt: str, variant: str = "avx512") -> int:
+def native_quant_max_rows(fmt: str, variant: str) -> int:
     """The most rows of a product the per-block kernel of the native build ``variant`` takes for a
     weight of ``LinearWeight.format`` ``fmt``: above, the weight is dequantized (3 rows at a time, or
     whole into panels). See :data:`P16_MAX_ROWS` for the 16-row panels."""
     if fmt in (Q4_1P16, Q8_0P16):
-        return P16_MAX_ROWS.get(variant, P16_MAX_ROWS["avx2"])
+        return P16_MAX_ROWS[variant]
     return Q4_1X4_MAX_ROWS if fmt == Q4_1X4 else NATIVE_QUANT_MAX_ROWS
 
 
