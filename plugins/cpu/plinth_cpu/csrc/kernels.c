@@ -2165,6 +2165,15 @@ typedef struct {
     size_t bsz;
 } dequant_ctx;
 
+/* 32 q8_0 values q times their fp16 scale dh into o: 8 per vector, widened, converted, scaled. */
+static inline void dequant32_q8(float *o, const int8_t *q, uint16_t dh) {
+    __m256 d = _mm256_set1_ps(fp16_to_f32(dh));
+    for (int i = 0; i < 4; i++) {
+        __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
+        _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+    }
+}
+
 static void dequant_range(void *p, int64_t begin, int64_t end) {
     dequant_ctx *c = (dequant_ctx *)p;
     for (int64_t n = begin; n < end; n++) {
@@ -2177,11 +2186,7 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
                 uint16_t dh;
                 for (int j = 0; j < QK / 2; j++) memcpy(q + 2 * j, base + 32 * j + 2 * r, 2);
                 memcpy(&dh, base + 512 + 2 * r, sizeof dh);
-                __m256 d = _mm256_set1_ps(fp16_to_f32(dh));
-                for (int i = 0; i < 4; i++) {
-                    __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
-                    _mm256_storeu_ps(o + b * QK + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
-                }
+                dequant32_q8(o + b * QK, q, dh);
             }
             continue;
         }
@@ -2232,11 +2237,7 @@ static void dequant_range(void *p, int64_t begin, int64_t end) {
                     _mm256_storeu_ps(ob + 8 * i, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), m));
             } else {
                 const block_q8_0 *blk = (const block_q8_0 *)(row + b * c->bsz);
-                __m256 d = _mm256_set1_ps(fp16_to_f32(blk->d));
-                for (int i = 0; i < 4; i++) {
-                    __m128i q = _mm_loadl_epi64((const __m128i *)(blk->q + 8 * i));
-                    _mm256_storeu_ps(ob + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
-                }
+                dequant32_q8(ob, blk->q, blk->d);
             }
         }
     }
