@@ -123,9 +123,12 @@ ROWS16_BF16_PAIRS = 64
 def amx_bf16_onednn() -> bool:
     """Whether torch's oneDNN runs bf16 GEMMs on AMX tiles here (AMX-BF16, not held below it by
     ``ONEDNN_MAX_CPU_ISA``). There the pair panels keep the row tiles' bound (4 rows pre-packed, 8
-    not) rather than :data:`ROWS16_BF16_PAIRS`: oneDNN's AMX GEMM (about 2.8 TFLOP/s on the issue's
-    Intel host) is several times the AVX512-BF16 kernel's peak, and the two have not been measured
-    side by side on an AMX host."""
+    not) rather than :data:`ROWS16_BF16_PAIRS`: oneDNN's AMX GEMM on its pre-packed copy overtakes
+    the pair kernel from 6 rows. Measured (Intel Xeon family 6 model 207 with AMX-BF16, 2 threads,
+    ``benchmarks/onednn_packed.py``: 30 SmolLM2-shaped layers of bf16 weights, GFLOP/s pairs /
+    pre-packed, 11 passes): 1 row 22.0 / 18.4, 2 rows 38.1 / 37.4, 4 rows 80.7 / 76.3, 5 rows 95.9 /
+    92.8, 6 rows 99.0 / 115.0, 8 rows 122.1 / 159.9; 7 passes: 16 rows 118 / 271, 64 rows 155 / 838,
+    128 rows 167 / 1,484, 512 rows 173 / 1,908."""
     if _onednn_max_isa() in _ONEDNN_BELOW_BF16 | _ONEDNN_BELOW_AMX:
         return False
     return "amx_bf16" in (_cpu_flags() or set())

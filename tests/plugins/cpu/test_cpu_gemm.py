@@ -128,14 +128,20 @@ needs_pairs = pytest.mark.skipif(
 def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onednn: str, m: int) -> None:
     """On a CPU with AVX512-BF16 a bf16 model's weights go into pair panels (no ``[N, K]`` copy is
     kept): products up to ROWS16_BF16_PAIRS rows (every decode step graph bucket) run the native
-    kernel, larger ones oneDNN's pre-packed copy; without that copy the kernel takes every row
-    count. Either way the result is ``F.linear``'s on the bf16 weight within bf16 rounding, a strided
-    ``x`` with NaN between its rows included, and the bias in fp32."""
+    kernel, larger ones oneDNN's pre-packed copy (where oneDNN has AMX, above ROWS16_BF16_PACKED
+    rows: its tiles win from 6 rows there); without that copy the kernel takes every row count.
+    Either way the result is ``F.linear``'s on the bf16 weight within bf16 rounding, a strided ``x``
+    with NaN between its rows included, and the bias in fp32."""
     monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
     monkeypatch.delenv("PLINTH_CPU_BF16_PAIRS", raising=False)
     assert NK is not None
     gemm = NativeGemm(torch.bfloat16, NK, onednn_packed=onednn)
-    assert gemm.bf16_pairs and gemm.rows16_max_rows == gemm_mod.ROWS16_BF16_PAIRS
+    amx = gemm_mod.amx_bf16_onednn()
+    bound = gemm_mod.ROWS16_BF16_PAIRS
+    if amx:
+        bound = gemm_mod.ROWS16_BF16_PACKED if gemm.onednn_packed else gemm_mod.ROWS16_BF16_ONEDNN
+    print(f"oneDNN {'has' if amx else 'lacks'} AMX-BF16 here: the pair kernel's bound is {bound} rows")
+    assert gemm.bf16_pairs and gemm.rows16_max_rows == bound
     gen = torch.Generator().manual_seed(m)
     w, b = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
     lw = gemm.prepare(w, b)
@@ -144,7 +150,7 @@ def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onedn
     x = _strided_between_nan(m, gen)
     packed_calls = _spy_packed_calls(monkeypatch)
     y = gemm.linear(x, lw)
-    onednn_rows = "onednn" in lw.data and m > gemm_mod.ROWS16_BF16_PAIRS
+    onednn_rows = "onednn" in lw.data and m > bound
     assert packed_calls == ([m] if onednn_rows else [])
     assert y.dtype == torch.bfloat16 and y.shape == (m, 200) and not y.isnan().any()
     w16 = w.to(torch.bfloat16)
