@@ -251,7 +251,9 @@ DEQUANT_ROWS_MAX_ROWS: dict[str, int] = {"avx512": 16, "avx2": 64}
 #: cache, GFLOP/s fp32 panels / bf16, 96 rows 322 / 409, 128 rows 366 / 476, 256 rows 408 / 630, 512
 #: rows 431 / 716; SmolLM2-135M Q4_1 prefill (8 prompts of 512 tokens) 1.1-1.4x; a 1,932-token text's
 #: prompt log-probs off the fp32 path's by 0.032 nats on average (0.23 at most; its total
-#: log-likelihood 0.06% lower). So it is not the default there; an AMX host is unmeasured.
+#: log-likelihood 0.06% lower). So it is not the default there. On an Intel AMX host (Xeon family 6
+#: model 207, 2 threads) the same prefill ran 1.3-2.4x faster and the 64-request workload 1.19x: still
+#: not the default, for the same accuracy (the cpu README).
 QUANT_BATCHED_ENV = "PLINTH_CPU_QUANT_BATCHED"
 QUANT_BATCHED_MODES = ("fp32", "bf16")
 #: The fewest rows the "bf16" mode takes: below, the fp32 panels were as fast (Zen 5, AVX-512 build, the
