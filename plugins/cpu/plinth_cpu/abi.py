@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -86,6 +86,7 @@ FUNCTIONS: dict[str, CFunction] = {
         "M",
     ),  # wt: 1 bf16, 2 fp16 panels
     "plinth_bf16_dot": CFunction("int", "void"),  # 1: plinth_gemm_bf16_pairs runs here (AVX512-BF16)
+    "plinth_amx_bf16": CFunction("int", "int mode"),  # 1: the pair GEMM runs on AMX tiles (mode 1 on, 0 off, -1 ask)
     "plinth_pack_bf16_pairs": CFunction("void", "const void *w, void *P, int64_t N, int64_t K"),
     "plinth_gemm_bf16_pairs": CFunction(
         "int",

@@ -208,6 +208,20 @@ def build(compiler: str, variant: IsaVariant = AVX2) -> Path:
     return target
 
 
+#: "auto" (default): the bf16 pair-panel GEMM runs on AMX tiles where the CPU has AMX-TILE and AMX-BF16
+#: and Linux grants this process the tile data; "0": never (the AVX512-BF16 dot products only).
+AMX_ENV = "PLINTH_CPU_AMX"
+AMX_MODES = ("auto", "0")
+
+
+def amx_mode() -> str:
+    """:data:`AMX_ENV` checked; a value other than those of :data:`AMX_MODES` is named."""
+    mode = os.environ.get(AMX_ENV, "auto")
+    if mode not in AMX_MODES:
+        raise ValueError(f"{AMX_ENV}={mode!r} is not one of {', '.join(AMX_MODES)}")
+    return mode
+
+
 class NativeKernels:
     """The loaded library, with tensor-level wrappers (fp32, contiguous, on the CPU)."""
 
@@ -227,6 +241,8 @@ class NativeKernels:
         self._lib = lib  # the library itself while self.lib records
         #: whether :meth:`gemm_bf16_pairs` runs here: the AVX-512 build on a CPU with AVX512-BF16
         self.bf16_dot = bool(lib.plinth_bf16_dot())
+        #: ... and on AMX tiles from 2 rows (AMX-TILE and AMX-BF16, granted by Linux; :data:`AMX_ENV`)
+        self.amx_bf16 = bool(lib.plinth_amx_bf16(1 if amx_mode() == "auto" else 0))
         self._calls: list[tuple[str, tuple[object, ...]]] = []
         self.set_num_threads(torch.get_num_threads())
 

@@ -128,8 +128,9 @@ needs_pairs = pytest.mark.skipif(
 def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onednn: str, m: int) -> None:
     """On a CPU with AVX512-BF16 a bf16 model's weights go into pair panels (no ``[N, K]`` copy is
     kept): products up to ROWS16_BF16_PAIRS rows (every decode step graph bucket) run the native
-    kernel, larger ones oneDNN's pre-packed copy (where oneDNN has AMX, above ROWS16_BF16_PACKED
-    rows: its tiles win from 6 rows there); without that copy the kernel takes every row count.
+    kernel (on AMX tiles where the CPU has them), larger ones oneDNN's pre-packed copy (where oneDNN
+    has AMX and the kernel does not run on it, above ROWS16_BF16_PACKED rows: oneDNN's tiles win from
+    6 rows there); without that copy the kernel takes every row count.
     Either way the result is ``F.linear``'s on the bf16 weight within bf16 rounding, a strided ``x``
     with NaN between its rows included, and the bias in fp32."""
     monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
@@ -138,9 +139,10 @@ def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onedn
     gemm = NativeGemm(torch.bfloat16, NK, onednn_packed=onednn)
     amx = gemm_mod.amx_bf16_onednn()
     bound = gemm_mod.ROWS16_BF16_PAIRS
-    if amx:
+    if amx and not NK.amx_bf16:
         bound = gemm_mod.ROWS16_BF16_PACKED if gemm.onednn_packed else gemm_mod.ROWS16_BF16_ONEDNN
-    print(f"oneDNN {'has' if amx else 'lacks'} AMX-BF16 here: the pair kernel's bound is {bound} rows")
+    print(f"oneDNN {'has' if amx else 'lacks'} AMX-BF16 here, the kernel {'runs' if NK.amx_bf16 else 'lacks'} "
+          f"AMX tiles: its bound is {bound} rows")  # fmt: skip
     assert gemm.bf16_pairs and gemm.rows16_max_rows == bound
     gen = torch.Generator().manual_seed(m)
     w, b = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)

@@ -1316,8 +1316,9 @@ def test_bf16_model_native_rows_follow_the_cpu(
     # with the AVX512-BF16 dot-product kernel (this CPU's own CPUID says) every decode-sized product is native
     pairs = NativeGemm(torch.bfloat16, nk)
     assert pairs.bf16_pairs == nk.bf16_dot
-    # ... but where oneDNN multiplies on AMX tiles, only up to the row tiles' bound
-    amx = "amx_bf16" in flags
+    # ... but where oneDNN multiplies on AMX tiles and the kernel does not (this CPU's own CPUID says),
+    # only up to the row tiles' bound
+    amx = "amx_bf16" in flags and not nk.amx_bf16
     assert pairs.rows16_max_rows == (gemm_mod.ROWS16_BF16_PAIRS if nk.bf16_dot and not amx else bound)
 
 
@@ -1445,13 +1446,16 @@ def test_bf16_pair_panels_hold_the_weight_pairs(nk: NativeKernels) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (3, 37, 24), (8, 100, 96), (9, 48, 8), (17, 200, 96), (64, 61, 130)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 576, 576), (3, 37, 24), (8, 100, 96), (9, 48, 8), (17, 200, 96), (64, 61, 130), (40, 61, 64)]
+)
 def test_bf16_pairs_gemm_sums_the_exact_products(nk: NativeKernels, threads: int, m: int, n: int, k: int) -> None:
     """The pair-panel kernel: each output is the sum of the exact bf16 x bf16 products (fp32 sums,
     off the float64 sum only by their rounding), plus the fp32 bias; the bf16 output is that fp32
     result rounded once, as torch rounds. ``x`` is read in place from a strided view whose gaps hold
     NaN. Covers every row-block size (1-8 and a 64-row batch) and strips of 1-3 panels with a
-    partial last panel."""
+    partial last panel; on an AMX host the cases with K a multiple of 32 and 2 rows or more run on
+    AMX tiles (16-row blocks with a partial last one, a last panel pair of one panel)."""
     _needs_bf16_dot(nk)
     gen = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -1468,6 +1472,37 @@ def test_bf16_pairs_gemm_sums_the_exact_products(nk: NativeKernels, threads: int
     y16 = nk.gemm_bf16_pairs(x, P, b, n, torch.bfloat16)
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
     assert ((nk.gemm_bf16_pairs(x, P, None, n, torch.float32).double() - exact).abs() <= bound + 1e-6).all()
+
+
+@needs_native
+@pytest.mark.parametrize("m", [2, 16, 33, 64])
+def test_bf16_pairs_on_amx_tiles_sum_what_the_dot_products_sum(nk: NativeKernels, m: int) -> None:
+    """Where the CPU has AMX-TILE and AMX-BF16 the pair kernel runs on tiles from 2 rows; the sums are
+    those of the AVX512-BF16 dot products up to the order of their fp32 additions (both within the
+    fp32 summation bound of the exact products), the bf16 result each rounded once. Elsewhere the
+    library says it has no tiles, and turning them on changes nothing."""
+    _needs_bf16_dot(nk)
+    if not nk.amx_bf16:
+        assert nk.lib.plinth_amx_bf16(1) == 0
+        pytest.skip("no AMX-TILE/AMX-BF16 on this CPU (or not granted by Linux): the dot-product path only")
+    gen = torch.Generator().manual_seed(m)
+    n, k = 200, 576
+    w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    P = nk.pack_bf16_pairs(w)
+    exact = x.double() @ w.double().T + b.double()
+    bound = (x.double().abs() @ w.double().abs().T) * k * 2.0**-24 + 1e-6
+    try:
+        tiles = nk.gemm_bf16_pairs(x, P, b, n, torch.float32)
+        tiles16 = nk.gemm_bf16_pairs(x, P, b, n, torch.bfloat16)
+        assert nk.lib.plinth_amx_bf16(0) == 0
+        dots = nk.gemm_bf16_pairs(x, P, b, n, torch.float32)
+    finally:
+        nk.lib.plinth_amx_bf16(1)
+    print(f"AMX tiles against AVX512-BF16 dot products at {m} rows: largest difference "
+          f"{(tiles - dots).abs().max().item():.2g}")  # fmt: skip
+    assert ((tiles.double() - exact).abs() <= bound).all() and ((dots.double() - exact).abs() <= bound).all()
+    assert torch.equal(tiles16, tiles.bfloat16())
 
 
 @needs_native

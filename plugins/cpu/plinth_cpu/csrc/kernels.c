@@ -1276,7 +1276,106 @@ static BF16_TARGET void gemm_pairs_range(void *p, int64_t begin, int64_t end) {
         }
 }
 #undef PAIRS_ROWS
+
+/*
+ * The same product on AMX tiles (Intel Sapphire Rapids and later: AMX-TILE and AMX-BF16). A pair
+ * panel's K/2 rows of 16 column pairs are, 16 rows at a time, exactly a B tile (16 rows of 64 bytes,
+ * stride 64); an A tile is up to 16 activation rows by 32 k (row stride sx); TDPBF16PS adds their
+ * products into a 16 x 16 fp32 C tile. Two panels per step (C0, C1 share the A tile), row blocks of
+ * 16 inner, so a panel pair stays in L1/L2 across the row blocks. Each thread loads the tile
+ * configuration at the start of its range (tiles are per thread) and releases it at the end. Runs
+ * where plinth_amx_bf16 says so (the CPU has both and Linux granted the tile data: arch_prctl
+ * ARCH_REQ_XCOMP_PERM), for K a multiple of 32 and at least AMX_MIN_ROWS rows.
+ */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define PLINTH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#define AMX_MIN_ROWS 2
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* tiles 0, 1: C for two panels (mr rows of 16 fp32); 2: A (mr rows of 32 bf16); 3, 4: B (16 rows) */
+static AMX_TARGET void amx_configure(int mr) {
+    amx_tilecfg t;
+    memset(&t, 0, sizeof t);
+    t.palette = 1;
+    for (int i = 0; i < 3; i++) t.rows[i] = (uint8_t)mr, t.colsb[i] = 64;
+    for (int i = 3; i < 5; i++) t.rows[i] = 16, t.colsb[i] = 64;
+    _tile_loadconfig(&t);
+}
+
+/* items are panel pairs (the last one may hold a single panel) */
+static AMX_TARGET void gemm_pairs_amx_range(void *p, int64_t begin, int64_t end) {
+    const pairs_ctx *c = (const pairs_ctx *)p;
+    int64_t M = c->M, K = c->K, panels = (c->N + 15) / 16;
+    float out[2][16][16] __attribute__((aligned(64)));
+    int configured = -1;
+    for (int64_t pp = begin; pp < end; pp++) {
+        int64_t q = 2 * pp;
+        int two = q + 1 < panels;
+        const uint16_t *p0 = c->P + q * K * 16, *p1 = p0 + K * 16;
+        for (int64_t m = 0; m < M; m += 16) {
+            int mr = M - m < 16 ? (int)(M - m) : 16;
+            if (mr != configured) amx_configure(mr), configured = mr;
+            const uint16_t *x = c->x + m * c->sx;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (two)
+                for (int64_t k = 0; k < K; k += 32) {
+                    _tile_loadd(2, x + k, c->sx * 2);
+                    _tile_loadd(3, p0 + k * 16, 64);
+                    _tile_loadd(4, p1 + k * 16, 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+            else
+                for (int64_t k = 0; k < K; k += 32) {
+                    _tile_loadd(2, x + k, c->sx * 2);
+                    _tile_loadd(3, p0 + k * 16, 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                }
+            _tile_stored(0, out[0], 64);
+            _tile_stored(1, out[1], 64);
+            for (int i = 0; i < mr; i++) {
+                pairs_store(_mm512_load_ps(out[0][i]), c, m + i, q * 16);
+                if (two) pairs_store(_mm512_load_ps(out[1][i]), c, m + i, (q + 1) * 16);
+            }
+        }
+    }
+    if (configured >= 0) _tile_release();
+}
+
+/* 1 where the CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24, 22) and Linux lets this
+ * process use the tile data (XFEATURE_XTILEDATA, 18); asked for once */
+static int amx_probe(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+}
+#else
+#define PLINTH_AMX 0
 #endif
+#endif
+
+/* Whether plinth_gemm_bf16_pairs runs on AMX tiles: mode 1 turns them on where the CPU has them (the
+ * default), 0 off, -1 asks. Returns 1 where they are on after the call. */
+int plinth_amx_bf16(int mode) {
+#if PLINTH_AVX512 && PLINTH_AMX
+    static int available = -1, on = 1;
+    if (available < 0) available = plinth_bf16_dot() && amx_probe();
+    if (mode >= 0) on = mode;
+    return available && on;
+#else
+    (void)mode;
+    return 0;
+#endif
+}
 
 /* 1 where plinth_gemm_bf16_pairs runs: the AVX-512 build on a CPU with AVX512-BF16; else 0 */
 int plinth_bf16_dot(void) {
@@ -1324,6 +1423,13 @@ int plinth_gemm_bf16_pairs(const void *x, int64_t sx, const void *P, const float
 #if PLINTH_AVX512
     pairs_ctx c = {(const uint16_t *)x, (const uint16_t *)P, sx, bias, y, yt, M, N, K};
     int64_t panels = (N + 15) / 16, grain = (grain_for(panels, 3) + 2) / 3 * 3; /* whole triples */
+#if PLINTH_AMX
+    if (M >= AMX_MIN_ROWS && K % 32 == 0 && plinth_amx_bf16(-1)) {
+        int64_t pairs = (panels + 1) / 2;
+        parallel_for(gemm_pairs_amx_range, &c, pairs, grain_for(pairs, 1));
+        return 0;
+    }
+#endif
     parallel_for(gemm_pairs_range, &c, panels, grain);
     return 0;
 #else
