@@ -15,8 +15,9 @@ model on a CPU with AVX512-BF16 or AMX up to 4 rows and above that oneDNN's bf16
 the weight it reordered once at load (:data:`ONEDNN_PACKED_ENV`; 8 rows and ``F.linear`` without
 it), else at every row count (see :data:`ROWS16_ENV`). Where the native build runs AVX512-BF16 dot
 products, a bf16 model's weights are laid out instead in 16-column pair panels (format
-``"bf16_pairs"``, :data:`PAIRS_ENV`) for the native ``vdpbf16ps`` kernel, which takes every product
-up to 64 rows (so every decode step records in a step graph; on a CPU where oneDNN has AMX, only up to
+``"bf16_pairs"``, :data:`PAIRS_ENV`) for the native ``vdpbf16ps`` kernel (on AMX tiles, ``tdpbf16ps``,
+where the CPU has them: :data:`~plinth_cpu.native.AMX_ENV`), which takes every product up to 64 rows
+(so every decode step records in a step graph; where oneDNN has AMX and the kernel does not, only up to
 the row tiles' bound), oneDNN's pre-packed copy the larger ones. float64, and every dtype without
 native kernels, use ``F.linear``. A row-major ``[K, N]`` right operand in bf16 is ~100x slower on AVX2
 hosts, so the weight is never pre-transposed.
