@@ -62,6 +62,7 @@ from plinth.platform.backend import GemmKernels, LinearWeight, host_memory_info
 from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import (
     AMX_ENV,
+    AMX_MODES,
     AVX512,
     ELEMENT_TYPES,
     INT16_LAYOUTS,
@@ -141,9 +142,9 @@ def pairs_max_rows(onednn_packed: bool, native_amx: bool) -> int:
     or where oneDNN has AMX (:func:`amx_bf16_onednn`) and the kernel does not run on AMX tiles itself
     (``native_amx``: :attr:`NativeKernels.amx_bf16`) the row tiles' bound (4 rows with ``onednn_packed``
     weights, 8 without). On AMX tiles the kernel beat oneDNN's pre-packed AMX GEMM up to 64 rows (Intel
-    Xeon family 6 model 207, 2 threads, 30 SmolLM2-shaped layers of bf16 weights, GFLOP/s AMX kernel /
-    oneDNN: 4 rows 212 / 91, 8 rows 396 / 180, 16 rows 695 / 353, 32 rows 1,001 / 607, 64 rows 1,329 /
-    1,121, 128 rows 1,598 / 1,659)."""
+    Xeon family 6 model 207, 2 threads, PASSIVE OpenMP as the backend runs, 30 SmolLM2-shaped layers of
+    bf16 weights, GFLOP/s AMX kernel / oneDNN: 4 rows 163 / 77, 16 rows 577 / 300, 64 rows 1,126 / 992;
+    a first standalone version: 32 rows 1,001 / 607, 128 rows 1,598 / 1,659)."""
     if amx_bf16_onednn() and not native_amx:
         return ROWS16_BF16_PACKED if onednn_packed else ROWS16_BF16_ONEDNN
     return ROWS16_BF16_PAIRS
@@ -316,6 +317,8 @@ def bf16_pairs_status() -> str:
         return f"{PAIRS_ENV}={mode!r} is not one of {', '.join(PAIRS_MODES)}: a bf16 model will not start"
     if mode == "0":
         return f"bf16 models: no AVX512-BF16 dot-product kernel ({PAIRS_ENV}=0)"
+    if bad := amx_status():
+        return bad
     if "avx512_bf16" not in (_cpu_flags() or set()):
         return "bf16 models: no AVX512-BF16 dot-product kernel (the CPU has no AVX512-BF16)"
     try:
@@ -343,6 +346,14 @@ def amx_tiles_expected() -> bool:
     tile data is known only once the library asks)."""
     flags = _cpu_flags() or set()
     return os.environ.get(AMX_ENV, "auto") == "auto" and {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+
+
+def amx_status() -> str | None:
+    """A bad :data:`~plinth_cpu.native.AMX_ENV` named in a line for ``plinth backends`` (None when it is fine)."""
+    mode = os.environ.get(AMX_ENV, "auto")
+    if mode in AMX_MODES:
+        return None
+    return f"{AMX_ENV}={mode!r} is not one of {', '.join(AMX_MODES)}: the native kernels will not load"
 
 
 class CpuGemm(GemmKernels):

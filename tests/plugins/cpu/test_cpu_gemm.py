@@ -163,6 +163,20 @@ def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onedn
         torch.testing.assert_close(y.double(), exact.bfloat16().double(), rtol=1e-2, atol=2e-2)
 
 
+def test_amx_switch_names_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PLINTH_CPU_AMX`` takes auto or 0; another value is named by the check the library's load
+    runs and by the backends line, and "0" keeps the kernel off AMX tiles in that line."""
+    from plinth_cpu import native as native_mod
+
+    monkeypatch.setenv("PLINTH_CPU_AMX", "yes")
+    with pytest.raises(ValueError, match="PLINTH_CPU_AMX='yes' is not one of auto, 0"):
+        native_mod.amx_mode()
+    assert "PLINTH_CPU_AMX='yes'" in (gemm_mod.amx_status() or "")
+    monkeypatch.setenv("PLINTH_CPU_AMX", "0")
+    assert native_mod.amx_mode() == "0" and gemm_mod.amx_status() is None
+    assert not gemm_mod.amx_tiles_expected() and "AMX-BF16 tile" not in gemm_mod.bf16_pairs_status()
+
+
 def test_pairs_switch_names_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PLINTH_CPU_BF16_PAIRS`` takes auto or 0; "0" keeps a bf16 model's weights ``[N, K]``, and
     other dtypes never take pair panels."""
