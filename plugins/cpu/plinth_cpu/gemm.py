@@ -61,8 +61,6 @@ import torch.nn.functional as F
 from plinth.platform.backend import GemmKernels, LinearWeight, host_memory_info
 from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import (
-    AMX_ENV,
-    AMX_MODES,
     AVX512,
     ELEMENT_TYPES,
     INT16_LAYOUTS,
@@ -72,6 +70,7 @@ from plinth_cpu.native import (
     Q8_0P16,
     QUANT_FORMATS,
     NativeKernels,
+    amx_mode,
     choose_variant,
 )
 from plinth_cpu.preflight import _cpu_flags
@@ -342,18 +341,23 @@ def bf16_pairs_status() -> str:
 
 def amx_tiles_expected() -> bool:
     """Whether the pair kernel will run on AMX tiles here (:attr:`NativeKernels.amx_bf16`), from
-    /proc/cpuinfo and :data:`~plinth_cpu.native.AMX_ENV` alone (loads nothing; whether Linux grants the
+    /proc/cpuinfo and :func:`~plinth_cpu.native.amx_mode` alone (loads nothing; whether Linux grants the
     tile data is known only once the library asks)."""
-    flags = _cpu_flags() or set()
-    return os.environ.get(AMX_ENV, "auto") == "auto" and {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+    try:
+        on = amx_mode() == "auto"
+    except ValueError:  # named by amx_status
+        return False
+    return on and {"amx_tile", "amx_bf16", "avx512_bf16"} <= (_cpu_flags() or set())
 
 
 def amx_status() -> str | None:
-    """A bad :data:`~plinth_cpu.native.AMX_ENV` named in a line for ``plinth backends`` (None when it is fine)."""
-    mode = os.environ.get(AMX_ENV, "auto")
-    if mode in AMX_MODES:
-        return None
-    return f"{AMX_ENV}={mode!r} is not one of {', '.join(AMX_MODES)}: the native kernels will not load"
+    """A bad :data:`~plinth_cpu.native.AMX_ENV` named (by :func:`~plinth_cpu.native.amx_mode`) in a line
+    for ``plinth backends``; None when it is fine."""
+    try:
+        amx_mode()
+    except ValueError as e:
+        return f"{e}: the native kernels will not load"
+    return None
 
 
 class CpuGemm(GemmKernels):

@@ -1318,28 +1318,21 @@ static AMX_TARGET void gemm_pairs_amx_range(void *p, int64_t begin, int64_t end)
     int configured = -1;
     for (int64_t pp = begin; pp < end; pp++) {
         int64_t q = 2 * pp;
-        int two = q + 1 < panels;
-        const uint16_t *p0 = c->P + q * K * 16, *p1 = p0 + K * 16;
+        int two = q + 1 < panels; /* a last lone panel is multiplied twice, its second copy not stored */
+        const uint16_t *p0 = c->P + q * K * 16, *p1 = two ? p0 + K * 16 : p0;
         for (int64_t m = 0; m < M; m += 16) {
             int mr = M - m < 16 ? (int)(M - m) : 16;
             if (mr != configured) amx_configure(mr), configured = mr;
             const uint16_t *x = c->x + m * c->sx;
             _tile_zero(0);
             _tile_zero(1);
-            if (two)
-                for (int64_t k = 0; k < K; k += 32) {
-                    _tile_loadd(2, x + k, c->sx * 2);
-                    _tile_loadd(3, p0 + k * 16, 64);
-                    _tile_loadd(4, p1 + k * 16, 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
-                }
-            else
-                for (int64_t k = 0; k < K; k += 32) {
-                    _tile_loadd(2, x + k, c->sx * 2);
-                    _tile_loadd(3, p0 + k * 16, 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                }
+            for (int64_t k = 0; k < K; k += 32) {
+                _tile_loadd(2, x + k, c->sx * 2);
+                _tile_loadd(3, p0 + k * 16, 64);
+                _tile_loadd(4, p1 + k * 16, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+            }
             _tile_stored(0, out[0], 64);
             _tile_stored(1, out[1], 64);
             for (int i = 0; i < mr; i++) {
