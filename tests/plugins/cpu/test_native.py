@@ -595,6 +595,82 @@ def test_decode_attention_matches_torch_path(
 
 
 @needs_native
+@pytest.mark.parametrize(
+    "window,group,head_size,block_size",
+    [(None, 3, 64, 16), (None, 5, 96, 32), (21, 4, 128, 16), (None, 16, 32, 16), (None, 1, 192, 32), (9, 2, 64, 48)],
+    ids=str,
+)
+def test_bf16_decode_attention_on_amx_tiles(
+    nk: NativeKernels, threads: int, window: int | None, group: int, head_size: int, block_size: int
+) -> None:  # fmt: skip
+    """A bf16 model's decode over a bf16 cache: its queries are bf16 values, so where the CPU has
+    AMX-BF16 the scores are tile products (the fp32 sums of the same exact products in another
+    order). Against the torch path, and against the fp32 path of the same library (tiles turned
+    off); queries that are not bf16 values take the fp32 path and match the fp32 cache's result
+    bit for bit, tiles on or off. Where the CPU has no tiles both runs are the fp32 path."""
+    gen = torch.Generator().manual_seed(group * head_size)
+    spec = AttentionSpec(num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=block_size,
+                         sliding_window=window)  # fmt: skip
+    seq_lens = [1, 9, 37, 16, 70, 17, 33, 130, 3, 21]  # 10 sequences: whole sequences as items at 2 threads
+    cache, meta = _decode_batch(seq_lens, spec, 64, gen, torch.bfloat16)
+    q = torch.randn(len(seq_lens), spec.num_heads, head_size, generator=gen).bfloat16().float()
+    attn = NativeAttention(spec, CPU_KV_LAYOUT, nk)
+    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)
+    try:
+        tiles = attn.forward(q, cache, meta, 0.17)
+        nk.lib.plinth_amx_bf16(0)
+        fp32_path = attn.forward(q, cache, meta, 0.17)
+    finally:
+        nk.lib.plinth_amx_bf16(1)
+    print(f"bf16 decode attention {'on AMX tiles' if nk.amx_bf16 else 'on the fp32 path (no AMX-BF16)'}: largest "
+          f"difference from the fp32 path {(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
+    torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiles, fp32_path, rtol=1e-5, atol=1e-5)
+    if not nk.amx_bf16:
+        assert torch.equal(tiles, fp32_path)
+    q_fp32 = q + 1e-3  # no longer bf16 values: the fp32 path, tiles or not
+    _same_as_fp32_cache(nk, spec, q_fp32, cache, meta, attn.forward(q_fp32, cache, meta, 0.17))
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "window,soft_cap,group,head_size,block_size",
+    [(None, None, 3, 64, 16), (50, None, 4, 128, 32), (None, 30.0, 1, 96, 16), (19, 20.0, 8, 32, 16)],
+    ids=str,
+)
+def test_bf16_prefill_attention_scores_on_amx_tiles(
+    nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, head_size: int,
+    block_size: int,
+) -> None:  # fmt: skip
+    """Prefill chunks long enough for the GEMM tiles, a bf16 model's queries over a bf16 cache: where
+    the CPU has AMX-BF16 each block's scores are tile products. Against the torch path and the
+    library's own fp32 path (tiles off)."""
+    gen = torch.Generator().manual_seed(group * head_size + 1)
+    spec = AttentionSpec(num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=block_size,
+                         sliding_window=window, logits_soft_cap=soft_cap)  # fmt: skip
+    seq_lens, q_lens = [40, 77, 16, 130, 9], [40, 29, 16, 100, 1]
+    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen, torch.bfloat16)
+    meta = AttentionMetadata.from_lengths(
+        q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
+    )
+    q = torch.randn(sum(q_lens), spec.num_heads, head_size, generator=gen).bfloat16().float()
+    attn = NativeAttention(spec, CPU_KV_LAYOUT, nk)
+    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)
+    try:
+        tiles = attn.forward(q, cache, meta, 0.17)
+        nk.lib.plinth_amx_bf16(0)
+        fp32_path = attn.forward(q, cache, meta, 0.17)
+    finally:
+        nk.lib.plinth_amx_bf16(1)
+    print(f"bf16 prefill attention {'scores on AMX tiles' if nk.amx_bf16 else 'on the fp32 path (no AMX-BF16)'}: "
+          f"largest difference from the fp32 path {(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
+    torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiles, fp32_path, rtol=1e-5, atol=1e-5)
+    if not nk.amx_bf16:
+        assert torch.equal(tiles, fp32_path)
+
+
+@needs_native
 @CACHE_DTYPES
 @pytest.mark.parametrize(
     "window,soft_cap,group", [(None, None, 3), (5, None, 2), (None, 30.0, 1), (7, 20.0, 4)], ids=str

@@ -1307,6 +1307,7 @@ static AMX_TARGET void amx_configure(int mr) {
     t.palette = 1;
     for (int i = 0; i < 3; i++) t.rows[i] = (uint8_t)mr, t.colsb[i] = 64;
     for (int i = 3; i < 5; i++) t.rows[i] = 16, t.colsb[i] = 64;
+    __asm__ volatile("" : : "r"(&t) : "memory"); /* the stores must precede LDTILECFG (see amx_attn_configure) */
     _tile_loadconfig(&t);
 }
 
@@ -2754,6 +2755,7 @@ typedef struct {
     float soft_cap;
     int seq_items; /* decode: items are whole sequences (every kv head), not (sequence, kv head) */
     _Atomic int failed;
+    int amx; /* a bf16 cache's scores on AMX tiles where the queries are bf16 values */
 } attn_ctx;
 
 #define DECODE_SEQ_ITEMS 4
@@ -3004,6 +3006,199 @@ static inline __attribute__((always_inline)) void decode_attention_range_w(void 
 static void decode_attention_range(void *p, int64_t begin, int64_t end) {
     decode_attention_range_w(p, begin, end, W_F32);
 }
+
+#if PLINTH_AVX512 && PLINTH_AMX
+/*
+ * Decode attention over a bf16 cache on AMX tiles. Where a query head group's values are all bf16
+ * values (a bf16 model's queries, widened to fp32 exactly on their way here), the scores of 16
+ * positions are one small product: A = the 16 key rows of a page (loaded straight from the cache,
+ * 32 of D a tile), B = the group's queries as 16 columns (column g = head g; the rest zero), so
+ * TDPBF16PS writes a [16 positions][16] tile of scores (exact products of bf16 values summed in fp32,
+ * as the widened FMAs sum them, in another order). The softmax then runs down the columns, every
+ * head of the group at once, and the values are summed with each V row widened once for the whole
+ * group (the fp32 path widens it once per head). Queries that are not all bf16 values (an fp32
+ * model over a bf16 cache) keep the fp32 path. Pages of a multiple of 16 positions, D a multiple
+ * of 32 up to 192 (tiles 2-7 hold the queries), groups of up to 16 heads, no soft cap.
+ */
+#define AMX_ATTN_MAX_CHUNKS 6
+
+/* 1 where each of the n floats at v is a bf16 value (its low 16 bits zero) */
+static inline int bf16_exact(const float *v, int64_t n) {
+    __m512i acc = _mm512_setzero_si512(), low = _mm512_set1_epi32(0xFFFF);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_or_si512(acc, _mm512_and_si512(_mm512_loadu_si512(v + i), low));
+    uint32_t tail = 0;
+    for (; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, v + i, sizeof u);
+        tail |= u & 0xFFFFu;
+    }
+    return !_mm512_reduce_or_epi32(acc) && !tail;
+}
+
+/* e^x for 16 lanes: exp256's reduction and polynomial, 2^n by VSCALEFPS (x clamped to [-104, 89]
+ * first: beyond, e^x rounds to 0 or overflows to +inf; NaN stays NaN) */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)); /* NaN passes */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* tiles 0: scores (16 x 16 fp32), 1: 16 key rows (32 bf16 each), 2-7: the queries (16 k pairs x 16 heads) */
+static AMX_TARGET void amx_attn_configure(void) {
+    amx_tilecfg t;
+    memset(&t, 0, sizeof t);
+    t.palette = 1;
+    for (int i = 0; i < 8; i++) t.rows[i] = 16, t.colsb[i] = 64;
+    __asm__ volatile("" : : "r"(&t) : "memory"); /* gcc 12 dropped the stores above without it */
+    _tile_loadconfig(&t);
+}
+
+/* o[g][d0 + 16j] (nh heads from g0, nv vectors of 16) = sum over positions first..last of
+ * st[pos][g] * V[pos], then times inv[g]; each V row widened once for the nh heads */
+static inline __attribute__((always_inline)) void amx_attn_pv(int nh, int nv, const attn_ctx *c,
+                                                              const int32_t *table, int64_t kh, const float *st,
+                                                              int64_t a0, int64_t first, int64_t last, int64_t g0,
+                                                              int64_t d0, float *o, const float *inv) {
+    int64_t Hk = c->Hk, D = c->D, bs = c->bs;
+    const uint16_t *vc = (const uint16_t *)c->cache + c->num_blocks * Hk * bs * D;
+    __m512 acc[4][4];
+    for (int i = 0; i < nh; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t p = first; p <= last;) {
+        int64_t pe = (p / bs + 1) * bs <= last + 1 ? (p / bs + 1) * bs : last + 1;
+        const uint16_t *v = vc + ((table[p / bs] * Hk + kh) * bs + p % bs) * D + d0;
+        const char *next = pe <= last ? (const char *)(vc + ((table[pe / bs] * Hk + kh) * bs) * D + d0) : NULL;
+        for (; p < pe; p++, v += D) {
+            if (next) _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0), next += D * 2;
+            const float *pr = st + (p - a0) * 16 + g0;
+            __m512 vv[4];
+            for (int j = 0; j < nv; j++) vv[j] = load16w(v, j * 16, W_BF16);
+            for (int i = 0; i < nh; i++) {
+                __m512 w = _mm512_set1_ps(pr[i]);
+                for (int j = 0; j < nv; j++) acc[i][j] = _mm512_fmadd_ps(w, vv[j], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < nh; i++)
+        for (int j = 0; j < nv; j++)
+            _mm512_storeu_ps(o + (g0 + i) * D + d0 + j * 16, _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inv[g0 + i])));
+}
+
+#define AMX_PV_HEADS(nv)                                                                                     \
+    switch (nh) {                                                                                              \
+    case 4: amx_attn_pv(4, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                   \
+    case 3: amx_attn_pv(3, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                   \
+    case 2: amx_attn_pv(2, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                   \
+    default: amx_attn_pv(1, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                  \
+    }
+
+/* kv head kh of one sequence (positions first..last, its table) for the group's queries q (heads D
+ * apart, all bf16 values) into o; st holds (last - first + 32) x 16 floats, 64-byte aligned; the
+ * tiles are configured */
+static AMX_TARGET void amx_attend_head(const attn_ctx *c, const int32_t *table, int64_t kh, const float *q, float *o,
+                                       int64_t first, int64_t last, float *st) {
+    int64_t Hk = c->Hk, D = c->D, bs = c->bs, group = c->H / Hk, chunks = D / 32;
+    const uint16_t *kc = (const uint16_t *)c->cache;
+    uint32_t qt[AMX_ATTN_MAX_CHUNKS][16][16] __attribute__((aligned(64)));
+    memset(qt, 0, sizeof(qt[0]) * (size_t)chunks);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t dp = 0; dp < D / 2; dp++) {
+            uint32_t lo, hi;
+            memcpy(&lo, q + g * D + 2 * dp, sizeof lo), memcpy(&hi, q + g * D + 2 * dp + 1, sizeof hi);
+            qt[dp / 16][dp % 16][g] = (lo >> 16) | (hi & 0xFFFF0000u);
+        }
+    switch (chunks) { /* a tile's number is an immediate */
+    case 6: _tile_loadd(7, qt[5], 64); /* fall through */
+    case 5: _tile_loadd(6, qt[4], 64); /* fall through */
+    case 4: _tile_loadd(5, qt[3], 64); /* fall through */
+    case 3: _tile_loadd(4, qt[2], 64); /* fall through */
+    case 2: _tile_loadd(3, qt[1], 64); /* fall through */
+    default: _tile_loadd(2, qt[0], 64);
+    }
+    int64_t a0 = first / 16 * 16; /* 16-position blocks never cross a page (bs % 16 == 0) */
+    for (int64_t p = a0; p <= last; p += 16) {
+        const uint16_t *k = kc + ((table[p / bs] * Hk + kh) * bs + p % bs) * D;
+        if (p + 16 <= last) { /* the next block's keys */
+            const char *nk = (const char *)(kc + ((table[(p + 16) / bs] * Hk + kh) * bs + (p + 16) % bs) * D);
+            for (int64_t b = 0; b < 16 * D * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+        }
+        _tile_zero(0);
+        switch (chunks) {
+        case 6: _tile_loadd(1, k + 160, D * 2); _tile_dpbf16ps(0, 1, 7); /* fall through */
+        case 5: _tile_loadd(1, k + 128, D * 2); _tile_dpbf16ps(0, 1, 6); /* fall through */
+        case 4: _tile_loadd(1, k + 96, D * 2); _tile_dpbf16ps(0, 1, 5); /* fall through */
+        case 3: _tile_loadd(1, k + 64, D * 2); _tile_dpbf16ps(0, 1, 4); /* fall through */
+        case 2: _tile_loadd(1, k + 32, D * 2); _tile_dpbf16ps(0, 1, 3); /* fall through */
+        default: _tile_loadd(1, k, D * 2); _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, st + (p - a0) * 16, 64);
+    }
+    /* softmax down each column (head) over the visible rows */
+    __m512 scale = _mm512_set1_ps(c->scale), vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+    for (int64_t p = first; p <= last; p++) {
+        float *row = st + (p - a0) * 16;
+        __m512 v = _mm512_mul_ps(_mm512_load_ps(row), scale);
+        _mm512_store_ps(row, v);
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    for (int64_t p = first; p <= last; p++) {
+        float *row = st + (p - a0) * 16;
+        __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(row), vmax));
+        _mm512_store_ps(row, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    float inv[16] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), vsum));
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            int nh = group - g0 < 4 ? (int)(group - g0) : 4;
+            if (D - d0 >= 64) { AMX_PV_HEADS(4) }
+            else { AMX_PV_HEADS(2) } /* the last 32 of D */
+        }
+    }
+}
+#undef AMX_PV_HEADS
+
+/* decode items over a bf16 cache where c->amx: each kv head whose queries are bf16 values on the
+ * tiles, any other by the fp32 path */
+static AMX_TARGET void decode_attention_range_amx(void *p, int64_t begin, int64_t end) {
+    attn_ctx *c = (attn_ctx *)p;
+    int64_t H = c->H, Hk = c->Hk, D = c->D, group = H / Hk, nkh = c->seq_items ? Hk : 1;
+    amx_attn_configure();
+    for (int64_t task = begin; task < end; task++) {
+        int64_t b = task % c->B, kh0 = c->seq_items ? 0 : task / c->B, last = c->seq_lens[b] - 1;
+        int64_t first = c->window > 0 && last + 1 > c->window ? last + 1 - c->window : 0;
+        const int32_t *table = c->block_tables + b * c->max_blocks;
+        float *scores = (float *)aligned_alloc(64, sizeof(float) * (size_t)((last - first + 32) * 16));
+        if (!scores) {
+            atomic_store(&c->failed, 1);
+            break;
+        }
+        for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
+            const float *q = c->q + b * c->sq + kh * group * D;
+            float *o = c->out + (b * H + kh * group) * D;
+            if (bf16_exact(q, group * D))
+                amx_attend_head(c, table, kh, q, o, first, last, scores);
+            else
+                attend_rows_w(c, table, kh, 1, 1, &q, &o, &last, scores, W_BF16);
+        }
+        free(scores);
+    }
+    _tile_release();
+}
+#endif
+
 static void decode_attention_range_bf16(void *p, int64_t begin, int64_t end) {
     decode_attention_range_w(p, begin, end, W_BF16);
 }
@@ -3024,10 +3219,15 @@ int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cach
     for (int64_t b = 0; b < B; b++) total += seq_lens[b];
     int64_t per_item = (total / B + 1) * (seq_items ? H : H / Hk) * D * 2;
     int64_t grain = 65536 / per_item + 1;
-    parallel_for(kt == W_BF16  ? decode_attention_range_bf16
-                 : kt == W_F16 ? decode_attention_range_f16
-                               : decode_attention_range,
-                 &c, seq_items ? B : B * Hk, grain);
+    void (*range)(void *, int64_t, int64_t) = kt == W_BF16  ? decode_attention_range_bf16
+                                                : kt == W_F16 ? decode_attention_range_f16
+                                                              : decode_attention_range;
+#if PLINTH_AVX512 && PLINTH_AMX
+    if (kt == W_BF16 && bs % 16 == 0 && D % 32 == 0 && D <= 32 * AMX_ATTN_MAX_CHUNKS && H / Hk <= 16 &&
+        soft_cap <= 0.0f && plinth_amx_bf16(-1))
+        range = decode_attention_range_amx;
+#endif
+    parallel_for(range, &c, seq_items ? B : B * Hk, grain);
     return atomic_load(&c.failed) ? -1 : 0;
 }
 
@@ -3167,16 +3367,18 @@ typedef struct {
     float *kb, *vb;       /* [FT_KEYS][D] a block's keys and values, widened or gathered */
     float *mx, *l, *alpha, *bmax; /* [Mp] each lane's running max and sum, a block's rescale and max */
     float *first, *last;  /* [Mp] each lane's visible positions (floats: exact below 2^24) */
+    uint32_t *qp;         /* [D / 2][Mp] the transposed queries as bf16 pairs (the AMX path's B tiles) */
 } tile_buf;
 
 static float *tile_buf_alloc(tile_buf *b, int64_t Mp, int64_t D) {
-    size_t n = (size_t)(D * Mp + FT_KEYS * Mp + Mp * D + 2 * FT_KEYS * D + 6 * Mp);
+    size_t n = (size_t)(D * Mp + FT_KEYS * Mp + Mp * D + 2 * FT_KEYS * D + 6 * Mp + D / 2 * Mp);
     float *f = (float *)aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
     if (!f) return NULL;
     b->qt = f, b->s = b->qt + D * Mp, b->o = b->s + FT_KEYS * Mp, b->kb = b->o + Mp * D, b->vb = b->kb + FT_KEYS * D;
     b->mx = b->vb + FT_KEYS * D, b->l = b->mx + Mp, b->alpha = b->l + Mp, b->bmax = b->alpha + Mp;
     b->first = b->bmax + Mp;
     b->last = b->first + Mp;
+    b->qp = (uint32_t *)(b->last + Mp);
     return f;
 }
 
@@ -3284,6 +3486,47 @@ static inline __attribute__((always_inline)) const float *tile_rows(const attn_c
     return buf;
 }
 
+/* A block's scores s[j][lanes] made elsewhere (on AMX tiles) scaled, capped, masked and folded
+ * into the lanes' block max, as tile_scores does with its own */
+static inline void tile_scores_finish(const score_args *a, float *s, int64_t pos, int64_t units) {
+    int64_t Mp = a->Mp;
+    for (int64_t u = 0; u < units; u++) {
+        float *bm = a->bmax + u * 16;
+        v16 mx = v16_load(bm);
+        for (int j = 0; j < FT_KEYS; j++) {
+            v16 sv = v16_mul(v16_load(s + j * Mp + u * 16), a->scale);
+            if (a->soft_cap > 0.0f) {
+                float t[16];
+                v16_store(t, sv);
+                for (int i = 0; i < 16; i++) t[i] = a->soft_cap * tanhf(t[i] / a->soft_cap);
+                sv = v16_load(t);
+            }
+            if (a->masked)
+                sv = v16_visible(sv, (float)(pos + j), v16_load(a->first + u * 16), v16_load(a->last + u * 16));
+            v16_store(s + j * Mp + u * 16, sv);
+            mx = v16_max(mx, sv);
+        }
+        v16_store(bm, mx);
+    }
+}
+
+#if PLINTH_AVX512 && PLINTH_AMX
+/* s[j][m] (rows Mp apart) = the dot products of the 16 bf16 key rows at k (D apart) with the Mp
+ * query lanes of qp ([D / 2][Mp] bf16 pairs), each 16 lanes a C tile summed over D in chunks of 32 */
+static AMX_TARGET void amx_block_scores(const uint16_t *k, int64_t D, const uint32_t *qp, int64_t Mp, float *s) {
+    for (int64_t u = 0; u < Mp / 16; u++) {
+        _tile_zero(0);
+        for (int64_t ch = 0; ch < D / 32; ch++) {
+            _tile_loadd(1, k + ch * 32, D * 2);
+            _tile_loadd(2, qp + ch * 16 * Mp + u * 16, Mp * 4);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, s + u * 16, Mp * 4);
+    }
+}
+static AMX_TARGET void amx_attn_release(void) { _tile_release(); }
+#endif
+
 /* Attention of R query rows of one chunk (positions last[0] < ... < last[R-1], consecutive) for kv
  * head kh: the query vectors of row r at q[r] (its group's heads D apart), outputs at o[r]. */
 static inline __attribute__((always_inline)) void attend_tile_w(const attn_ctx *c, const int32_t *table, int64_t kh,
@@ -3308,12 +3551,31 @@ static inline __attribute__((always_inline)) void attend_tile_w(const attn_ctx *
         for (int64_t d = 0; d < D; d += 8) transpose8(b->o + m * D + d, D, b->qt + d * Mp + m, Mp, 8);
     memset(b->o, 0, sizeof(float) * (size_t)(M * D));
     v16 scale = v16_set1(c->scale);
+    int amx = 0; /* the scores on AMX tiles: a bf16 cache, pages of whole blocks, queries of bf16 values */
+#if PLINTH_AVX512 && PLINTH_AMX
+    if (kt == W_BF16 && c->amx && bf16_exact(b->qt, D * Mp)) {
+        for (int64_t i = 0; i < D / 2; i++)
+            for (int64_t m = 0; m < Mp; m++) {
+                uint32_t lo16, hi16;
+                memcpy(&lo16, b->qt + 2 * i * Mp + m, sizeof lo16), memcpy(&hi16, b->qt + (2 * i + 1) * Mp + m, sizeof hi16);
+                b->qp[i * Mp + m] = (lo16 >> 16) | (hi16 & 0xFFFF0000u);
+            }
+        amx = 1;
+    }
+#endif
     for (int64_t p0 = lo / FT_KEYS * FT_KEYS; p0 < hi; p0 += FT_KEYS) {
-        const float *k = tile_rows(c, table, kcache, kh, p0, lo, hi, b->kb, kt);
         score_args sa = {b->qt, Mp, D, scale, c->soft_cap, p0 < max_first || p0 + FT_KEYS - 1 > min_last,
                          b->first, b->last, b->bmax};
         for (int64_t m = 0; m < Mp; m += 16) v16_store(b->bmax + m, v16_set1(-INFINITY));
-        for (int64_t j = 0; j < FT_KEYS; j += FT_TILE_KEYS) {
+#if PLINTH_AVX512 && PLINTH_AMX
+        if (amx) { /* 16 consecutive rows of one page: bs % 16 == 0 where c->amx */
+            const uint16_t *k16 = (const uint16_t *)kcache + (((int64_t)table[p0 / c->bs] * Hk + kh) * c->bs + p0 % c->bs) * D;
+            amx_block_scores(k16, D, b->qp, Mp, b->s);
+            tile_scores_finish(&sa, b->s, p0, units);
+        }
+#endif
+        const float *k = amx ? NULL : tile_rows(c, table, kcache, kh, p0, lo, hi, b->kb, kt);
+        for (int64_t j = 0; !amx && j < FT_KEYS; j += FT_TILE_KEYS) {
             int keys = FT_KEYS - j < FT_TILE_KEYS ? FT_KEYS - j : FT_TILE_KEYS;
             const float *kj = k + j * D;
             float *sj = b->s + j * Mp;
@@ -3434,6 +3696,14 @@ static void prefill_attention_range_bf16(void *p, int64_t begin, int64_t end) {
 static void prefill_attention_range_f16(void *p, int64_t begin, int64_t end) {
     prefill_attention_range_w(p, begin, end, W_F16);
 }
+#if PLINTH_AVX512 && PLINTH_AMX
+/* a bf16 cache where c->a.amx: the GEMM tiles' scores on AMX tiles (configured for the range) */
+static void prefill_attention_range_amx(void *p, int64_t begin, int64_t end) {
+    amx_attn_configure();
+    prefill_attention_range_w(p, begin, end, W_BF16);
+    amx_attn_release();
+}
+#endif
 
 /* Returns 0, or -1 when out of memory. Every q_len must be >= 1 and <= its chunk's seq_len. kt: the
  * cache's element kind, as for decodes. */
@@ -3460,10 +3730,14 @@ int plinth_prefill_attention(int kt, const float *q, int64_t sq, const void *cac
                      q_start, q_lens, seq_lens, tile_chunk, tile_row, tile_len, tiles, tile_mp};
     /* items of at least ~64k multiply-adds, as for decodes */
     int64_t per_item = (work / (tiles ? tiles : 1) + 1) * (H / Hk) * D * 2;
-    parallel_for(kt == W_BF16  ? prefill_attention_range_bf16
-                 : kt == W_F16 ? prefill_attention_range_f16
-                               : prefill_attention_range,
-                 &c, tiles * Hk, 65536 / per_item + 1);
+    void (*range)(void *, int64_t, int64_t) = kt == W_BF16  ? prefill_attention_range_bf16
+                                                : kt == W_F16 ? prefill_attention_range_f16
+                                                              : prefill_attention_range;
+#if PLINTH_AVX512 && PLINTH_AMX
+    if (kt == W_BF16 && tile_mp && bs % FT_KEYS == 0 && D % 32 == 0 && plinth_amx_bf16(-1))
+        c.a.amx = 1, range = prefill_attention_range_amx;
+#endif
+    parallel_for(range, &c, tiles * Hk, 65536 / per_item + 1);
     free(tile_chunk);
     return atomic_load(&c.a.failed) ? -1 : 0;
 }
