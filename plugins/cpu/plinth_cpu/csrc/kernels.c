@@ -335,6 +335,26 @@ static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64
 }
 #endif
 
+#if PLINTH_AVX512
+/* e^x for 16 lanes: exp256's reduction and polynomial, 2^n by VSCALEFPS (x clamped to [-104, 89]
+ * first: beyond, e^x rounds to 0 or overflows to +inf; NaN stays NaN) */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)); /* NaN passes */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 /* Rounding to 16 bits, as torch rounds (so a native op's bf16/fp16 output equals torch's cast of the
  * same fp32 values): round to nearest, ties to even, overflow to infinity; a NaN stays a NaN (bf16:
  * the canonical quiet 0x7FC0, torch's scalar cast's; its vectorised cast may write another NaN
@@ -362,6 +382,22 @@ static inline __attribute__((always_inline)) void store8w(void *P, int64_t i, __
     else
         _mm256_storeu_ps((float *)P + i, v);
 }
+#if PLINTH_AVX512
+/* 16 fp32 values into element i of a buffer of kind wt, rounded as store8w rounds */
+static inline __attribute__((always_inline)) void store16w(void *P, int64_t i, __m512 v, int wt) {
+    if (wt == W_BF16) {
+        __m512i u = _mm512_castps_si512(v);
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                                         _mm512_set1_epi32(0x7FFF)));
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)P + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    } else if (wt == W_F16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)P + i),
+                            _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else
+        _mm512_storeu_ps((float *)P + i, v);
+}
+#endif
 /* one value of kind wt, as fp32 / stored */
 static inline float load1w(const void *P, int64_t i, int wt) {
     if (wt == W_BF16) {
@@ -2500,7 +2536,11 @@ static inline __attribute__((always_inline)) void rms_norm_rows(const norm_ctx *
         const void *src = wat(c->x, (t / c->heads) * c->sx + (t % c->heads) * H, dt);
         if (c->residual) { /* the sum is stored (rounded to dt) and the stored sum is normed */
             void *r = (void *)wat(c->residual, t * H, dt);
-            for (int64_t h = 0; h < H; h += 8) store8w(r, h, _mm256_add_ps(load8w(r, h, dt), load8w(src, h, dt)), dt);
+            int64_t h = 0;
+#if PLINTH_AVX512
+            for (; h + 16 <= H; h += 16) store16w(r, h, _mm512_add_ps(load16w(r, h, dt), load16w(src, h, dt)), dt);
+#endif
+            for (; h < H; h += 8) store8w(r, h, _mm256_add_ps(load8w(r, h, dt), load8w(src, h, dt)), dt);
             src = r;
         }
         __m256 ss = _mm256_setzero_ps();
@@ -2510,7 +2550,13 @@ static inline __attribute__((always_inline)) void rms_norm_rows(const norm_ctx *
         }
         __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum256(ss) / (float)H + c->eps));
         void *o = (void *)wat(c->out, t * H, dt);
-        for (int64_t h = 0; h < H; h += 8)
+        int64_t h = 0;
+#if PLINTH_AVX512
+        __m512 scale16 = _mm512_broadcast_f32x8(scale);
+        for (; h + 16 <= H; h += 16)
+            store16w(o, h, _mm512_mul_ps(_mm512_mul_ps(load16w(src, h, dt), scale16), load16w(c->w, h, dt)), dt);
+#endif
+        for (; h < H; h += 8)
             store8w(o, h, _mm256_mul_ps(_mm256_mul_ps(load8w(src, h, dt), scale), load8w(c->w, h, dt)), dt);
     }
 }
@@ -2560,6 +2606,16 @@ static inline __attribute__((always_inline)) void silu_rows(const silu_ctx *c, i
         const void *g = wat(c->x, t * 2 * c->I, dt), *u = wat(c->x, t * 2 * c->I + c->I, dt);
         void *o = (void *)wat(c->out, t * c->I, dt);
         int64_t i = 0;
+#if PLINTH_AVX512
+        const __m512 one16 = _mm512_set1_ps(1.0f), k3_16 = _mm512_set1_ps(0.044715f), c2_16 = _mm512_set1_ps(-GELU_2C);
+        for (; i + 16 <= c->I; i += 16) {
+            __m512 gv = load16w(g, i, dt);
+            __m512 arg = c->gelu ? _mm512_mul_ps(c2_16, _mm512_fmadd_ps(_mm512_mul_ps(k3_16, gv), _mm512_mul_ps(gv, gv), gv))
+                                 : _mm512_sub_ps(_mm512_setzero_ps(), gv);
+            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one16, exp512(arg)));
+            store16w(o, i, _mm512_mul_ps(sv, load16w(u, i, dt)), dt);
+        }
+#endif
         for (; i + 8 <= c->I; i += 8) {
             __m256 gv = load8w(g, i, dt);
             __m256 arg = c->gelu ? _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k3, gv), _mm256_mul_ps(gv, gv), gv))
@@ -2611,6 +2667,12 @@ static void convert_range(void *p, int64_t begin, int64_t end) {
         const void *s = wat(c->src, t * c->ss, c->st);
         void *d = (char *)c->dst + t * c->H * (int64_t)wsize(c->dt);
         int64_t i = 0;
+#if PLINTH_AVX512
+        if (c->st == W_F32 && c->dt == W_BF16)
+            for (; i + 16 <= c->H; i += 16) store16w(d, i, load16w(s, i, W_F32), W_BF16);
+        else if (c->st == W_BF16 && c->dt == W_F32)
+            for (; i + 16 <= c->H; i += 16) store16w(d, i, load16w(s, i, W_BF16), W_F32);
+#endif
         for (; i + 8 <= c->H; i += 8) store8w(d, i, load8w(s, i, c->st), c->dt);
         for (; i < c->H; i++) store1w(d, i, load1w(s, i, c->st), c->dt);
     }
@@ -3034,24 +3096,6 @@ static inline int bf16_exact(const float *v, int64_t n) {
         tail |= u & 0xFFFFu;
     }
     return !_mm512_reduce_or_epi32(acc) && !tail;
-}
-
-/* e^x for 16 lanes: exp256's reduction and polynomial, 2^n by VSCALEFPS (x clamped to [-104, 89]
- * first: beyond, e^x rounds to 0 or overflows to +inf; NaN stays NaN) */
-static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)); /* NaN passes */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* tiles 0: scores (16 x 16 fp32), 1: 16 key rows (32 bf16 each), 2-7: the queries (16 k pairs x 16 heads) */
