@@ -1551,7 +1551,7 @@ def test_bf16_pairs_gemm_sums_the_exact_products(nk: NativeKernels, threads: int
 
 
 @needs_native
-@pytest.mark.parametrize("m", [2, 16, 33, 64])
+@pytest.mark.parametrize("m", [2, 16, 33, 64, 200])  # 33: a 32-row step and a 1-row one; 200: two row chunks
 def test_bf16_pairs_on_amx_tiles_sum_what_the_dot_products_sum(nk: NativeKernels, m: int) -> None:
     """Where the CPU has AMX-TILE and AMX-BF16 the pair kernel runs on tiles from 2 rows; the sums are
     those of the AVX512-BF16 dot products up to the order of their fp32 additions (both within the
