@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+#: gguf-py readers by (path, mode), shared by every transformers load under :func:`one_gguf_parse`
+_GGUF_READERS: dict[tuple[str, str], Any] = {}
+
+
+@contextlib.contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """Within this context transformers' GGUF loads share one gguf-py ``GGUFReader`` per file.
+
+    transformers opens a GGUF file afresh for each part it reads (the config, then the weights; the
+    tokenizer in a load of its own), and each ``GGUFReader`` parses every metadata field in Python:
+    Gemma 3's 262k-token vocabulary took ~10 s a parse on an Intel Xeon and ~30 s on a Zen 1, where CI
+    has a time budget. A reader only reads its memory map, so one per file serves every load, for the
+    whole session."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def shared(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real(path, mode)
+        return _GGUF_READERS[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", shared)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +52,10 @@ def hf_smollm2(default_gguf: Path) -> Any:
     """transformers' own fp32 model of the default GGUF (it dequantizes the file itself)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
-    ).eval()
+    with one_gguf_parse():
+        return AutoModelForCausalLM.from_pretrained(
+            default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+        ).eval()
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:

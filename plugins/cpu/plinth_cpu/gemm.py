@@ -137,14 +137,23 @@ def amx_bf16_onednn() -> bool:
 
 
 def pairs_max_rows(onednn_packed: bool, native_amx: bool) -> int:
-    """The most rows a bf16 model's products take on the pair kernel by default: :data:`ROWS16_BF16_PAIRS`,
-    or where oneDNN has AMX (:func:`amx_bf16_onednn`) and the kernel does not run on AMX tiles itself
-    (``native_amx``: :attr:`NativeKernels.amx_bf16`) the row tiles' bound (4 rows with ``onednn_packed``
-    weights, 8 without). On AMX tiles the kernel beat oneDNN's pre-packed AMX GEMM up to 64 rows (Intel
-    Xeon family 6 model 207, 2 threads, PASSIVE OpenMP as the backend runs, 30 SmolLM2-shaped layers of
-    bf16 weights, GFLOP/s AMX kernel / oneDNN: 4 rows 163 / 77, 16 rows 577 / 300, 64 rows 1,126 / 992;
-    a first standalone version: 32 rows 1,001 / 607, 128 rows 1,598 / 1,659)."""
-    if amx_bf16_onednn() and not native_amx:
+    """The most rows a bf16 model's products take on the pair kernel by default: every row count where
+    the kernel runs on AMX tiles (``native_amx``: :attr:`NativeKernels.amx_bf16`), else
+    :data:`ROWS16_BF16_PAIRS`, or where oneDNN has AMX (:func:`amx_bf16_onednn`) and the kernel does not
+    the row tiles' bound (4 rows with ``onednn_packed`` weights, 8 without).
+
+    On AMX tiles the kernel beat oneDNN's pre-packed AMX GEMM up to 64 rows (Intel Xeon family 6 model
+    207, 2 threads, PASSIVE OpenMP as the backend runs, 30 SmolLM2-shaped layers of bf16 weights, GFLOP/s
+    AMX kernel / oneDNN: 4 rows 163 / 77, 16 rows 577 / 300, 64 rows 1,126 / 992), and with 32 rows a step
+    above it too (256 rows 1,826 / 1,705, 1024 rows 2,069 / 1,806); end to end a bf16 prefill ran the
+    same either way (3,749 and 3,634 tok/s with oneDNN above 64 rows, 3,752 and 3,767 without). oneDNN
+    compiles a kernel for each row count it has not seen (5-10 ms each, per weight shape; its cache holds
+    1,024), which continuous batching keeps producing: 150 products of random row counts in 65..1024 ran at
+    306 GFLOP/s on first sight, 1,225 cached, and 1,041 on the AMX kernel, which compiles nothing. So there
+    the kernel takes every product and the weights get no oneDNN copy (half a bf16 model's memory)."""
+    if native_amx:
+        return UNBOUNDED
+    if amx_bf16_onednn():
         return ROWS16_BF16_PACKED if onednn_packed else ROWS16_BF16_ONEDNN
     return ROWS16_BF16_PAIRS
 
@@ -305,7 +314,28 @@ def onednn_packing_status() -> str:
         return (
             f"{ONEDNN_PACKED_ENV}={mode!r} is not one of {', '.join(ONEDNN_PACKED_MODES)}: a bf16 model will not start"
         )
-    return onednn_packing(mode)[1]
+    packs, line = onednn_packing(mode)
+    if packs and mode == "auto" and amx_kernel_takes_every_product():
+        return (f"bf16 weights not pre-packed for oneDNN: the native AMX-BF16 tile kernel takes every product "
+                f"({ONEDNN_PACKED_ENV}=1 packs them)")  # fmt: skip
+    return line
+
+
+def amx_kernel_takes_every_product() -> bool:
+    """Whether a bf16 model's every product will run the native pair kernel on AMX tiles with no oneDNN
+    copy of the weights (:func:`pairs_max_rows`): the pair kernel on (:data:`PAIRS_ENV`), the AVX-512
+    build on a CPU with AVX512-BF16, AMX tiles expected (:func:`amx_tiles_expected`), and neither
+    :data:`ROWS16_ENV` nor ``PLINTH_CPU_ONEDNN_PACKED=1`` asking for oneDNN. From the environment and
+    /proc/cpuinfo alone; never raises."""
+    if os.environ.get(PAIRS_ENV, "auto") != "auto" or ROWS16_ENV in os.environ or amx_status():
+        return False
+    if os.environ.get(ONEDNN_PACKED_ENV, "auto") == "1" or "avx512_bf16" not in (_cpu_flags() or set()):
+        return False
+    try:
+        variant, _ = choose_variant()
+    except ValueError:
+        return False
+    return variant is AVX512 and amx_tiles_expected()
 
 
 def bf16_pairs_status() -> str:
@@ -334,6 +364,8 @@ def bf16_pairs_status() -> str:
     amx = amx_tiles_expected()
     if amx:
         kernel = "the native AMX-BF16 tile kernel (pair panels; AVX512-BF16 dot products for 1 row)"
+        if amx_kernel_takes_every_product():
+            return f"bf16 models: products of every row count by {kernel}, no oneDNN copy of the weights"
     rows = os.environ.get(ROWS16_ENV, str(pairs_max_rows(packed, amx)))
     above = "oneDNN's AMX GEMM" if amx_bf16_onednn() else "oneDNN"
     return f"bf16 models: products of up to {rows} rows by {kernel}, larger ones by {above} on its pre-packed copy"
@@ -477,6 +509,8 @@ class NativeGemm(CpuGemm):
         pairs = _mode("bf16_pairs", bf16_pairs, PAIRS_ENV, PAIRS_MODES)
         #: a bf16 model's weights in pair panels for the AVX512-BF16 kernel (dense [N, K] otherwise)
         self.bf16_pairs = dtype == torch.bfloat16 and pairs == "auto" and native.bf16_dot
+        if self.bf16_pairs and native.amx_bf16 and rows16 is None and not self.onednn_pack_always:
+            self.onednn_packed = False  # the AMX kernel takes every product (pairs_max_rows): no copy to keep
         if rows16 is not None:
             self.rows16_max_rows = int(rows16)
         elif self.bf16_pairs:

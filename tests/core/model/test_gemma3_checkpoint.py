@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, one_gguf_parse
 from gemma3_asset import gemma3_gguf_or_skip
 
 from plinth import LLM, SamplingParams
@@ -35,9 +35,10 @@ def gemma_path() -> Path:
 def hf_gemma(gemma_path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32
-    ).eval()
+    with one_gguf_parse():  # the config and the weights from one parse of the 262k-token vocabulary
+        model = AutoModelForCausalLM.from_pretrained(
+            gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32
+        ).eval()
     model.config._attn_implementation = "eager"
     return model
 

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import one_gguf_parse
 from model_helpers import allocate_caches, hf_logits, reference_kernels, run_step, save_tiny
 from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -355,7 +356,8 @@ def _transformers_gguf_model(path: Path) -> Any:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
         model.load_state_dict(tensors, strict=True)
         return model.float().eval()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with one_gguf_parse():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.mark.slow

@@ -128,9 +128,9 @@ needs_pairs = pytest.mark.skipif(
 def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onednn: str, m: int) -> None:
     """On a CPU with AVX512-BF16 a bf16 model's weights go into pair panels (no ``[N, K]`` copy is
     kept): products up to ROWS16_BF16_PAIRS rows (every decode step graph bucket) run the native
-    kernel (on AMX tiles where the CPU has them), larger ones oneDNN's pre-packed copy (where oneDNN
-    has AMX and the kernel does not run on it, above ROWS16_BF16_PACKED rows: oneDNN's tiles win from
-    6 rows there); without that copy the kernel takes every row count.
+    kernel, larger ones oneDNN's pre-packed copy (where oneDNN has AMX and the kernel does not run on
+    it, above ROWS16_BF16_PACKED rows: oneDNN's tiles win from 6 rows there); without that copy, or
+    where the kernel runs on AMX tiles (then no copy is made), the kernel takes every row count.
     Either way the result is ``F.linear``'s on the bf16 weight within bf16 rounding, a strided ``x``
     with NaN between its rows included, and the bias in fp32."""
     monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
@@ -139,7 +139,10 @@ def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onedn
     gemm = NativeGemm(torch.bfloat16, NK, onednn_packed=onednn)
     amx = gemm_mod.amx_bf16_onednn()
     bound = gemm_mod.ROWS16_BF16_PAIRS
-    if amx and not NK.amx_bf16:
+    if NK.amx_bf16:
+        bound = gemm_mod.UNBOUNDED
+        assert not gemm.onednn_packed  # every product on the tile kernel: no copy to keep
+    elif amx:
         bound = gemm_mod.ROWS16_BF16_PACKED if gemm.onednn_packed else gemm_mod.ROWS16_BF16_ONEDNN
     print(f"oneDNN {'has' if amx else 'lacks'} AMX-BF16 here, the kernel {'runs' if NK.amx_bf16 else 'lacks'} "
           f"AMX tiles: its bound is {bound} rows")  # fmt: skip
@@ -148,7 +151,7 @@ def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onedn
     w, b = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
     lw = gemm.prepare(w, b)
     assert lw.format == gemm_mod.PAIRS and lw.weight is None and lw.data["pairs"].dtype == torch.bfloat16
-    assert ("onednn" in lw.data) == (onednn == "auto" and PACKS_HERE)
+    assert ("onednn" in lw.data) == (onednn == "auto" and PACKS_HERE and not NK.amx_bf16)
     x = _strided_between_nan(m, gen)
     packed_calls = _spy_packed_calls(monkeypatch)
     y = gemm.linear(x, lw)

@@ -1334,14 +1334,28 @@ def test_16bit_model_gemm_is_the_fp32_product_rounded_once(nk: NativeKernels, ha
 
 def test_amx_is_named_where_onednn_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN multiplies bf16 on AMX tiles where the CPU has AMX-BF16 and ``ONEDNN_MAX_CPU_ISA`` does
-    not hold it below AMX; there the pair panels keep the row tiles' bound, and the backends line says so."""
+    not hold it below AMX; there the pair panels keep the row tiles' bound unless the kernel runs on AMX
+    tiles itself (then it takes every product and no oneDNN copy is made), and the backends lines say so."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS", raising=False)
     monkeypatch.delenv("PLINTH_CPU_BF16_PAIRS", raising=False)
+    monkeypatch.delenv("PLINTH_CPU_ONEDNN_PACKED", raising=False)
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     assert gemm_mod.amx_bf16_onednn()
-    if native_mod.choose_variant()[0] is native_mod.AVX512:  # the status line names the kernel only there
+    if native_mod.choose_variant()[0] is native_mod.AVX512 and gemm_mod.onednn_packing("auto")[0]:
+        # the status lines name the kernel only there
+        monkeypatch.setenv("PLINTH_CPU_AMX", "auto")
+        assert gemm_mod.amx_kernel_takes_every_product()
+        assert "every row count by the native AMX-BF16 tile kernel" in gemm_mod.bf16_pairs_status()
+        assert "not pre-packed for oneDNN: the native AMX-BF16 tile kernel" in gemm_mod.onednn_packing_status()
+        monkeypatch.setenv("PLINTH_CPU_AMX", "0")
+        assert not gemm_mod.amx_kernel_takes_every_product()
         assert "oneDNN's AMX GEMM" in gemm_mod.bf16_pairs_status()
+        assert "bf16 weights pre-packed for oneDNN" in gemm_mod.onednn_packing_status()
+        monkeypatch.setenv("PLINTH_CPU_AMX", "auto")
+        monkeypatch.setenv("PLINTH_CPU_16BIT_NATIVE_ROWS", "64")
+        assert "up to 64 rows by the native AMX-BF16 tile kernel" in gemm_mod.bf16_pairs_status()
+        monkeypatch.delenv("PLINTH_CPU_16BIT_NATIVE_ROWS")
     for held in ("AVX512_CORE_BF16", "avx2"):
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", held)
         assert not gemm_mod.amx_bf16_onednn()
@@ -1393,9 +1407,12 @@ def test_bf16_model_native_rows_follow_the_cpu(
     pairs = NativeGemm(torch.bfloat16, nk)
     assert pairs.bf16_pairs == nk.bf16_dot
     # ... but where oneDNN multiplies on AMX tiles and the kernel does not (this CPU's own CPUID says),
-    # only up to the row tiles' bound
+    # only up to the row tiles' bound; where the kernel runs on AMX tiles itself, every row count
     amx = "amx_bf16" in flags and not nk.amx_bf16
-    assert pairs.rows16_max_rows == (gemm_mod.ROWS16_BF16_PAIRS if nk.bf16_dot and not amx else bound)
+    expected = gemm_mod.ROWS16_BF16_PAIRS if nk.bf16_dot and not amx else bound
+    assert pairs.rows16_max_rows == (gemm_mod.UNBOUNDED if nk.amx_bf16 else expected)
+    if nk.amx_bf16:
+        assert not pairs.onednn_packed  # no oneDNN copy of the weights to keep
 
 
 @needs_native
