@@ -594,6 +594,28 @@ def test_decode_attention_matches_torch_path(
     _same_as_fp32_cache(nk, spec, q, cache, meta, got)
 
 
+def _tiles_against_the_fp32_path(nk: NativeKernels, spec: AttentionSpec, q: torch.Tensor, cache: torch.Tensor,
+                                 meta: AttentionMetadata, what: str) -> NativeAttention:  # fmt: skip
+    """The native attention of bf16-valued ``q`` over a bf16 cache with the AMX tiles on (where the CPU
+    has them) against the torch path and against the same library's fp32 path (tiles off): within
+    the fp32 summation order's differences, equal where no tiles run. Returns the attention."""
+    attn = NativeAttention(spec, CPU_KV_LAYOUT, nk)
+    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)
+    try:
+        tiles = attn.forward(q, cache, meta, 0.17)
+        nk.lib.plinth_amx_bf16(0)
+        fp32_path = attn.forward(q, cache, meta, 0.17)
+    finally:
+        nk.lib.plinth_amx_bf16(1)
+    print(f"bf16 {what} {'on AMX tiles' if nk.amx_bf16 else 'on the fp32 path (no AMX-BF16)'}: largest "
+          f"difference from the fp32 path {(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
+    torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiles, fp32_path, rtol=1e-5, atol=1e-5)
+    if not nk.amx_bf16:
+        assert torch.equal(tiles, fp32_path)
+    return attn
+
+
 @needs_native
 @pytest.mark.parametrize(
     "window,group,head_size,block_size",
@@ -614,20 +636,7 @@ def test_bf16_decode_attention_on_amx_tiles(
     seq_lens = [1, 9, 37, 16, 70, 17, 33, 130, 3, 21]  # 10 sequences: whole sequences as items at 2 threads
     cache, meta = _decode_batch(seq_lens, spec, 64, gen, torch.bfloat16)
     q = torch.randn(len(seq_lens), spec.num_heads, head_size, generator=gen).bfloat16().float()
-    attn = NativeAttention(spec, CPU_KV_LAYOUT, nk)
-    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)
-    try:
-        tiles = attn.forward(q, cache, meta, 0.17)
-        nk.lib.plinth_amx_bf16(0)
-        fp32_path = attn.forward(q, cache, meta, 0.17)
-    finally:
-        nk.lib.plinth_amx_bf16(1)
-    print(f"bf16 decode attention {'on AMX tiles' if nk.amx_bf16 else 'on the fp32 path (no AMX-BF16)'}: largest "
-          f"difference from the fp32 path {(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
-    torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tiles, fp32_path, rtol=1e-5, atol=1e-5)
-    if not nk.amx_bf16:
-        assert torch.equal(tiles, fp32_path)
+    attn = _tiles_against_the_fp32_path(nk, spec, q, cache, meta, "decode attention")
     q_fp32 = q + 1e-3  # no longer bf16 values: the fp32 path, tiles or not
     _same_as_fp32_cache(nk, spec, q_fp32, cache, meta, attn.forward(q_fp32, cache, meta, 0.17))
 
@@ -654,20 +663,7 @@ def test_bf16_prefill_attention_scores_on_amx_tiles(
         q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
     )
     q = torch.randn(sum(q_lens), spec.num_heads, head_size, generator=gen).bfloat16().float()
-    attn = NativeAttention(spec, CPU_KV_LAYOUT, nk)
-    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)
-    try:
-        tiles = attn.forward(q, cache, meta, 0.17)
-        nk.lib.plinth_amx_bf16(0)
-        fp32_path = attn.forward(q, cache, meta, 0.17)
-    finally:
-        nk.lib.plinth_amx_bf16(1)
-    print(f"bf16 prefill attention {'scores on AMX tiles' if nk.amx_bf16 else 'on the fp32 path (no AMX-BF16)'}: "
-          f"largest difference from the fp32 path {(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
-    torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tiles, fp32_path, rtol=1e-5, atol=1e-5)
-    if not nk.amx_bf16:
-        assert torch.equal(tiles, fp32_path)
+    _tiles_against_the_fp32_path(nk, spec, q, cache, meta, "prefill attention")
 
 
 @needs_native

@@ -336,13 +336,16 @@ static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64
 #endif
 
 #if PLINTH_AVX512
-/* e^x for 16 lanes: exp256's reduction and polynomial, 2^n by VSCALEFPS (x clamped to [-104, 89]
- * first: beyond, e^x rounds to 0 or overflows to +inf; NaN stays NaN) */
+/* e^x for 16 lanes: exp256's operations on 16 lanes, so the same value per lane as exp256 (the
+ * AVX2 build's SwiGLU and softmax compute what the AVX-512 build's do) */
 static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)); /* NaN passes */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447505531f);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
@@ -351,7 +354,15 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    __m512i ni = _mm512_cvtps_epi32(n);
+    __m512i half = _mm512_srai_epi32(ni, 1);
+    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
+    __m512 s2 =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+    y = _mm512_maskz_mov_ps((__mmask16)~under, y);
+    y = _mm512_mask_blend_ps(over, y, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(nan, y, x);
 }
 #endif
 
@@ -3369,33 +3380,8 @@ static inline v16 v16_visible(v16 a, float p, v16 lo, v16 hi) {
 static inline v16 v16_finite_or_zero(v16 a) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v16_set1(-INFINITY), _CMP_EQ_OQ), a, v16_zero());
 }
-/* exp256's steps on 16 lanes: the same operations, so the same value per lane */
-static inline v16 v16_exp(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447505531f);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
-    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i ni = _mm512_cvtps_epi32(n);
-    __m512i half = _mm512_srai_epi32(ni, 1);
-    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
-    __m512 s2 =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
-    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
-    y = _mm512_maskz_mov_ps((__mmask16)~under, y);
-    y = _mm512_mask_blend_ps(over, y, _mm512_set1_ps(INFINITY));
-    return _mm512_mask_blend_ps(nan, y, x);
-}
+/* exp256's steps on 16 lanes (exp512) */
+static inline v16 v16_exp(__m512 x) { return exp512(x); }
 /* 16 elements of kind kt from element i, widened */
 static inline __attribute__((always_inline)) v16 v16_loadw(const void *P, int64_t i, int kt) {
     return load16w(P, i, kt);
