@@ -509,8 +509,12 @@ class NativeGemm(CpuGemm):
         pairs = _mode("bf16_pairs", bf16_pairs, PAIRS_ENV, PAIRS_MODES)
         #: a bf16 model's weights in pair panels for the AVX512-BF16 kernel (dense [N, K] otherwise)
         self.bf16_pairs = dtype == torch.bfloat16 and pairs == "auto" and native.bf16_dot
-        if self.bf16_pairs and native.amx_bf16 and rows16 is None and not self.onednn_pack_always:
-            self.onednn_packed = False  # the AMX kernel takes every product (pairs_max_rows): no copy to keep
+        #: the AMX tile kernel takes every product of a weight with K a multiple of 32 (pairs_max_rows); a
+        #: weight with another K runs the dot-product kernel, which keeps the oneDNN copy above 64 rows
+        self.amx_takes_all = self.bf16_pairs and native.amx_bf16 and rows16 is None and not self.onednn_pack_always
+        self._onednn_for_odd_k = self.amx_takes_all and self.onednn_packed
+        if self.amx_takes_all:
+            self.onednn_packed = False  # no copy of the tile kernel's weights to keep
         if rows16 is not None:
             self.rows16_max_rows = int(rows16)
         elif self.bf16_pairs:
@@ -540,6 +544,8 @@ class NativeGemm(CpuGemm):
         if self.dtype in PANEL16_DTYPES and prepared.bias is not None:
             prepared.data["bias_f32"] = prepared.bias.to(torch.float32)
         w = prepared.weight
+        if self._onednn_for_odd_k and w is not None and prepared.in_features % 32 and self._room_to_pack(w):
+            prepared.data["onednn"] = onednn_pack(w)  # the dot-product kernel's K: oneDNN above ROWS16_BF16_PAIRS
         if self.bf16_pairs and w is not None and prepared.in_features % 2 == 0:
             # the pair panels replace the [N, K] weight: oneDNN's copy (when made) serves larger products
             prepared.data["pairs"] = self.native.pack_bf16_pairs(w)
@@ -606,7 +612,8 @@ class NativeGemm(CpuGemm):
         first, as ``F.linear`` on the bf16 weight would need."""
         dtype = x.dtype
         packed = weight.data.get("onednn")
-        if packed is not None and x.shape[0] > self.rows16_max_rows:
+        bound = self.rows16_max_rows if weight.in_features % 32 == 0 or not self.amx_takes_all else ROWS16_BF16_PAIRS
+        if packed is not None and x.shape[0] > bound:
             return onednn_packed_linear(x.to(torch.bfloat16), packed, weight.bias).to(dtype)
         if dtype != torch.bfloat16:
             x = self.native.convert(self._as_f32(x), torch.bfloat16)

@@ -166,6 +166,30 @@ def test_bf16_products_run_on_pair_panels(monkeypatch: pytest.MonkeyPatch, onedn
         torch.testing.assert_close(y.double(), exact.bfloat16().double(), rtol=1e-2, atol=2e-2)
 
 
+@needs_pairs
+def test_amx_tiles_take_every_product_where_k_suits_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AMX tiles a weight whose K is a multiple of 32 gets no oneDNN copy: the tile kernel takes
+    every product. A weight of another K runs the AVX512-BF16 dot-product kernel, which keeps the copy
+    (where oneDNN packs) for products above ROWS16_BF16_PAIRS rows."""
+    for env in ("PLINTH_CPU_16BIT_NATIVE_ROWS", "PLINTH_CPU_BF16_PAIRS", "PLINTH_CPU_ONEDNN_PACKED"):
+        monkeypatch.delenv(env, raising=False)
+    assert NK is not None
+    if not NK.amx_bf16:
+        pytest.skip("no AMX tiles here (CPUID AMX-BF16, or PLINTH_CPU_AMX=0): the 64-row bound holds (above)")
+    gemm = NativeGemm(torch.bfloat16, NK)
+    assert gemm.amx_takes_all and gemm.rows16_max_rows == gemm_mod.UNBOUNDED
+    gen = torch.Generator().manual_seed(5)
+    w96, w72 = torch.randn(40, 96, generator=gen), torch.randn(40, 72, generator=gen)
+    tiles, dots = gemm.prepare(w96, None), gemm.prepare(w72, None)
+    assert "onednn" not in tiles.data and ("onednn" in dots.data) == PACKS_HERE
+    calls = _spy_packed_calls(monkeypatch)
+    for m, w, lw in ((130, w96, tiles), (130, w72, dots), (64, w72, dots)):
+        x = torch.randn(m, w.shape[1], generator=gen).bfloat16()
+        ref = F.linear(x, w.bfloat16())  # whichever kernel ran: F.linear's within bf16 rounding
+        torch.testing.assert_close(gemm.linear(x, lw).float(), ref.float(), rtol=1.6e-2, atol=5e-2)
+    assert calls == ([130] if PACKS_HERE else [])
+
+
 def test_amx_switch_names_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PLINTH_CPU_AMX`` takes auto or 0; another value is named by the check the library's load
     runs and by the backends line, and "0" keeps the kernel off AMX tiles in that line."""
