@@ -34,6 +34,8 @@ demo: $(STAMP)
 # The AVX2 paths on an AVX-512 host too: the cpu backend's tests and conformance cases again with
 # the native kernels' AVX2 build and torch (ATen, oneDNN) held to AVX2, so one run covers both kinds.
 AVX2_PATHS := PLINTH_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+# ... and on an AMX host its AVX-512 paths without AMX tiles (an AVX512-BF16 host's, e.g. AMD Zen 4/5).
+NO_AMX_PATHS := PLINTH_CPU_AMX=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check core plugins tests conformance
@@ -43,6 +45,11 @@ test: $(STAMP)
 		echo "AVX-512 host: the cpu backend again on its AVX2 paths ($(AVX2_PATHS))"; \
 		$(AVX2_PATHS) $(PY) -m pytest -q -p no:cacheprovider tests/plugins/cpu && \
 		$(AVX2_PATHS) $(VENV)/bin/plinth conformance --backend cpu; \
+	fi
+	@if grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null; then \
+		echo "AMX host: the cpu backend again without AMX tiles ($(NO_AMX_PATHS))"; \
+		$(NO_AMX_PATHS) $(PY) -m pytest -q -p no:cacheprovider tests/plugins/cpu && \
+		$(NO_AMX_PATHS) $(VENV)/bin/plinth conformance --backend cpu; \
 	fi
 	$(MAKE) test-ipex
 

@@ -606,7 +606,7 @@ def _tiles_against_the_fp32_path(nk: NativeKernels, spec: AttentionSpec, q: torc
         nk.lib.plinth_amx_bf16(0)
         fp32_path = attn.forward(q, cache, meta, 0.17)
     finally:
-        nk.lib.plinth_amx_bf16(1)
+        nk.lib.plinth_amx_bf16(int(nk.amx_bf16))  # as the library was loaded (PLINTH_CPU_AMX)
     print(f"bf16 {what} {'on AMX tiles' if nk.amx_bf16 else 'on the fp32 path (no AMX-BF16)'}: largest "
           f"difference from the fp32 path {(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
     torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5)
@@ -1572,7 +1572,12 @@ def test_bf16_pairs_on_amx_tiles_sum_what_the_dot_products_sum(nk: NativeKernels
     library says it has no tiles, and turning them on changes nothing."""
     _needs_bf16_dot(nk)
     if not nk.amx_bf16:
-        assert nk.lib.plinth_amx_bf16(1) == 0
+        if native_mod.amx_mode() == "0":
+            pytest.skip("PLINTH_CPU_AMX=0: the dot-product path only")
+        try:
+            assert nk.lib.plinth_amx_bf16(1) == 0
+        finally:
+            nk.lib.plinth_amx_bf16(0)
         pytest.skip("no AMX-TILE/AMX-BF16 on this CPU (or not granted by Linux): the dot-product path only")
     gen = torch.Generator().manual_seed(m)
     n, k = 200, 576
@@ -1587,7 +1592,7 @@ def test_bf16_pairs_on_amx_tiles_sum_what_the_dot_products_sum(nk: NativeKernels
         assert nk.lib.plinth_amx_bf16(0) == 0
         dots = nk.gemm_bf16_pairs(x, P, b, n, torch.float32)
     finally:
-        nk.lib.plinth_amx_bf16(1)
+        nk.lib.plinth_amx_bf16(int(nk.amx_bf16))
     print(f"AMX tiles against AVX512-BF16 dot products at {m} rows: largest difference "
           f"{(tiles - dots).abs().max().item():.2g}")  # fmt: skip
     assert ((tiles.double() - exact).abs() <= bound).all() and ((dots.double() - exact).abs() <= bound).all()
