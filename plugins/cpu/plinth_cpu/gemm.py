@@ -327,20 +327,15 @@ def amx_kernel_takes_every_product() -> bool:
     build on a CPU with AVX512-BF16, AMX tiles expected (:func:`amx_tiles_expected`), and neither
     :data:`ROWS16_ENV` nor ``PLINTH_CPU_ONEDNN_PACKED=1`` asking for oneDNN. From the environment and
     /proc/cpuinfo alone; never raises."""
-    if os.environ.get(PAIRS_ENV, "auto") != "auto" or ROWS16_ENV in os.environ or amx_status():
+    if ROWS16_ENV in os.environ or os.environ.get(ONEDNN_PACKED_ENV, "auto") == "1":
         return False
-    if os.environ.get(ONEDNN_PACKED_ENV, "auto") == "1" or "avx512_bf16" not in (_cpu_flags() or set()):
-        return False
-    try:
-        variant, _ = choose_variant()
-    except ValueError:
-        return False
-    return variant is AVX512 and amx_tiles_expected()
+    return _pairs_kernel_missing() is None and amx_tiles_expected()
 
 
-def bf16_pairs_status() -> str:
-    """Whether a bf16 model's decode-sized products run the native AVX512-BF16 kernel on pair panels
-    (:data:`PAIRS_ENV`), in a line for ``plinth backends``; loads and compiles nothing, never raises."""
+def _pairs_kernel_missing() -> str | None:
+    """Why a bf16 model's products will not run the native pair kernel here (:data:`PAIRS_ENV`, a bad
+    :data:`~plinth_cpu.native.AMX_ENV`, no AVX512-BF16, another build), in a line for ``plinth
+    backends``; None where they will. Loads and compiles nothing, never raises."""
     mode = os.environ.get(PAIRS_ENV, "auto")
     if mode not in PAIRS_MODES:
         return f"{PAIRS_ENV}={mode!r} is not one of {', '.join(PAIRS_MODES)}: a bf16 model will not start"
@@ -356,6 +351,14 @@ def bf16_pairs_status() -> str:
         return f"bf16 models: no AVX512-BF16 dot-product kernel ({e})"
     if variant is not AVX512:
         return f"bf16 models: no AVX512-BF16 dot-product kernel (the {variant.name} build is chosen)"
+    return None
+
+
+def bf16_pairs_status() -> str:
+    """Whether a bf16 model's decode-sized products run the native AVX512-BF16 kernel on pair panels
+    (:data:`PAIRS_ENV`), in a line for ``plinth backends``; loads and compiles nothing, never raises."""
+    if missing := _pairs_kernel_missing():
+        return missing
     packing = os.environ.get(ONEDNN_PACKED_ENV, "auto")
     packed = packing in ONEDNN_PACKED_MODES and onednn_packing(packing)[0]
     kernel = "the native AVX512-BF16 dot-product kernel (pair panels)"

@@ -208,8 +208,9 @@ def build(compiler: str, variant: IsaVariant = AVX2) -> Path:
     return target
 
 
-#: "auto" (default): the bf16 pair-panel GEMM runs on AMX tiles where the CPU has AMX-TILE and AMX-BF16
-#: and Linux grants this process the tile data; "0": never (the AVX512-BF16 dot products only).
+#: "auto" (default): the bf16 pair-panel GEMM, and a bf16 model's attention scores over a bf16 cache, run
+#: on AMX tiles where the CPU has AMX-TILE and AMX-BF16 and Linux grants this process the tile data; "0":
+#: never (the AVX512-BF16 dot products and the fp32 attention path only).
 AMX_ENV = "PLINTH_CPU_AMX"
 AMX_MODES = ("auto", "0")
 

@@ -1404,10 +1404,11 @@ static AMX_TARGET void gemm_pairs_amx_range(void *p, int64_t begin, int64_t end)
                 int mra = me - m < 16 ? (int)(me - m) : 16, mrb = me - m - 16 > 16 ? 16 : (int)(me - m - 16);
                 if (mrb < 0) mrb = 0;
                 if (mra * 32 + mrb != configured) amx_configure2(mra, mrb), configured = mra * 32 + mrb;
-                const uint16_t *xa = c->x + m * sx, *xb = xa + 16 * sx;
+                const uint16_t *xa = c->x + m * sx;
                 _tile_zero(0);
                 _tile_zero(1);
                 if (mrb) {
+                    const uint16_t *xb = xa + 16 * sx;
                     _tile_zero(2);
                     _tile_zero(3);
                     for (int64_t k = 0; k < K; k += 32) {
@@ -3477,6 +3478,22 @@ typedef struct {
     float *bmax;       /* [Mp] the block's running max per lane */
 } score_args;
 
+/* The raw scores sv of key position pos for the 16 lanes from `lane`: scaled, capped, masked (-inf
+ * where a lane cannot see the key), stored at row[lane..], and folded into the lanes' max mx */
+static inline __attribute__((always_inline)) v16 score_fold(const score_args *a, v16 sv, int64_t pos, int64_t lane,
+                                                            float *row, v16 mx) {
+    sv = v16_mul(sv, a->scale);
+    if (a->soft_cap > 0.0f) {
+        float t[16];
+        v16_store(t, sv);
+        for (int i = 0; i < 16; i++) t[i] = a->soft_cap * tanhf(t[i] / a->soft_cap);
+        sv = v16_load(t);
+    }
+    if (a->masked) sv = v16_visible(sv, (float)pos, v16_load(a->first + lane), v16_load(a->last + lane));
+    v16_store(row + lane, sv);
+    return v16_max(mx, sv);
+}
+
 /* s[j][lanes of `units` units from mu] for `keys` keys j (k[j][d], D apart) from position pos: each
  * the FMA chain over d in order, scaled, capped, masked (-inf where the lane cannot see the key), and
  * folded into the lanes' block max; keys x units accumulators in registers (both constants in each
@@ -3498,19 +3515,7 @@ static inline __attribute__((always_inline)) void tile_scores(const score_args *
     for (int u = 0; u < units; u++) {
         float *bm = a->bmax + (mu + u) * 16;
         v16 mx = v16_load(bm);
-        for (int j = 0; j < keys; j++) {
-            v16 sv = v16_mul(acc[j][u], a->scale);
-            if (a->soft_cap > 0.0f) {
-                float t[16];
-                v16_store(t, sv);
-                for (int i = 0; i < 16; i++) t[i] = a->soft_cap * tanhf(t[i] / a->soft_cap);
-                sv = v16_load(t);
-            }
-            if (a->masked)
-                sv = v16_visible(sv, (float)(pos + j), v16_load(a->first + (mu + u) * 16), v16_load(a->last + (mu + u) * 16));
-            v16_store(s + j * Mp + (mu + u) * 16, sv);
-            mx = v16_max(mx, sv);
-        }
+        for (int j = 0; j < keys; j++) mx = score_fold(a, acc[j][u], pos + j, (mu + u) * 16, s + j * Mp, mx);
         v16_store(bm, mx);
     }
 }
@@ -3570,27 +3575,16 @@ static inline __attribute__((always_inline)) const float *tile_rows(const attn_c
     return buf;
 }
 
-/* A block's scores s[j][lanes] made elsewhere (on AMX tiles) scaled, capped, masked and folded
- * into the lanes' block max, as tile_scores does with its own */
+/* A block's scores s[j][lanes] made elsewhere (on AMX tiles) through score_fold, as tile_scores
+ * folds its own */
 static inline void tile_scores_finish(const score_args *a, float *s, int64_t pos, int64_t units) {
-    int64_t Mp = a->Mp;
     for (int64_t u = 0; u < units; u++) {
-        float *bm = a->bmax + u * 16;
-        v16 mx = v16_load(bm);
+        v16 mx = v16_load(a->bmax + u * 16);
         for (int j = 0; j < FT_KEYS; j++) {
-            v16 sv = v16_mul(v16_load(s + j * Mp + u * 16), a->scale);
-            if (a->soft_cap > 0.0f) {
-                float t[16];
-                v16_store(t, sv);
-                for (int i = 0; i < 16; i++) t[i] = a->soft_cap * tanhf(t[i] / a->soft_cap);
-                sv = v16_load(t);
-            }
-            if (a->masked)
-                sv = v16_visible(sv, (float)(pos + j), v16_load(a->first + u * 16), v16_load(a->last + u * 16));
-            v16_store(s + j * Mp + u * 16, sv);
-            mx = v16_max(mx, sv);
+            float *row = s + j * a->Mp;
+            mx = score_fold(a, v16_load(row + u * 16), pos + j, u * 16, row, mx);
         }
-        v16_store(bm, mx);
+        v16_store(a->bmax + u * 16, mx);
     }
 }
 
