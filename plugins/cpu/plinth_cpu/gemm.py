@@ -294,6 +294,10 @@ Q4_1X4_MAX_ROWS = 64
 #: AVX2 build, 2 threads, 30 SmolLM2-shaped q4_1 layers from memory, GFLOP/s panel kernel / GGUF
 #: blocks dequantized 3 rows at a time): 1 row 24.7 / 10.4, 2 rows 35.8 / 17.0, 4 rows 38.1 / 29.4,
 #: 6 rows 39.6 / 34.0, 8 rows 38.4 / 38.5, 12 rows 36.1 / 46.3, 16 rows 39.6 / 51.2, 24 rows 42.2 / 56.5.
+#: On a Zen 3 (family 25, full 256-bit datapaths; the same layers, quiet host) the panels held on further
+#: (1.30x at 8 rows, 1.10-1.15x at 12-16, 0.82-1.02x at 20-24, 0.89x at 32), but a bound of 16 left the
+#: Q4_1 64-request workload where it was (output tok/s, alternating 8 / 16: 185.7, 194.2 / 196.4, 166.8),
+#: so one bound serves both.
 P16_MAX_ROWS: dict[str, int] = {"avx512": UNBOUNDED, "avx2": 8}
 
 
