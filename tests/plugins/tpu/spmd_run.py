@@ -15,7 +15,7 @@ from plinth import LLM, SamplingParams
 from plinth.platform.backend import StepInputs, StepShape
 from plinth_conformance.tiny_models import assert_same_generations, prompts
 
-ENGINE = dict(num_kv_blocks=96, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=16)
+ENGINE = dict(num_kv_blocks=96, block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
 LOGPROB_TOL = 2e-4  # float32 on both sides, the same tolerance as the single-device tests
 
 
