@@ -36,6 +36,9 @@ demo: $(STAMP)
 AVX2_PATHS := PLINTH_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 # ... and on an AMX host its AVX-512 paths without AMX tiles (an AVX512-BF16 host's, e.g. AMD Zen 4/5).
 NO_AMX_PATHS := PLINTH_CPU_AMX=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
+# ... and on a host without AMX the AVX-512 build's paths (AVX-512, AVX512-BF16, AMX tiles) emulated in
+# portable code (plugins/cpu/plinth_cpu/csrc/emulate.h), so a run on any x86 host covers what an AMX host runs.
+EMULATED_PATHS := PLINTH_CPU_EMULATE=1
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check core plugins tests conformance
@@ -50,6 +53,11 @@ test: $(STAMP)
 		echo "AMX host: the cpu backend again without AMX tiles ($(NO_AMX_PATHS))"; \
 		$(NO_AMX_PATHS) $(PY) -m pytest -q -p no:cacheprovider tests/plugins/cpu && \
 		$(NO_AMX_PATHS) $(VENV)/bin/plinth conformance --backend cpu; \
+	fi
+	@if grep -qw avx2 /proc/cpuinfo 2>/dev/null && ! grep -qw amx_bf16 /proc/cpuinfo; then \
+		echo "no AMX here: the cpu backend again with its AVX-512 and AMX paths emulated ($(EMULATED_PATHS))"; \
+		$(EMULATED_PATHS) $(PY) -m pytest -q -p no:cacheprovider tests/plugins/cpu && \
+		$(EMULATED_PATHS) $(VENV)/bin/plinth conformance --backend cpu; \
 	fi
 	$(MAKE) test-ipex
 

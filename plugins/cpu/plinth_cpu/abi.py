@@ -68,7 +68,7 @@ class CFunction:
 #: The library's exported functions (csrc/kernels.c), in the order they are defined there.
 FUNCTIONS: dict[str, CFunction] = {
     "plinth_abi_version": CFunction("int", "void"),
-    "plinth_isa": CFunction("int", "void"),  # 2: built for AVX2/FMA/F16C, 3: for AVX-512 (F/BW/VL/DQ/VNNI)
+    "plinth_isa": CFunction("int", "void"),  # 2: built for AVX2/FMA/F16C, 3: AVX-512 (F/BW/VL/DQ/VNNI), 103: 3 emulated
     "plinth_set_num_threads": CFunction("void", "int n"),
     "plinth_get_num_threads": CFunction("int", "void"),
     "plinth_read_probe": CFunction("void", "const float *x, float *out, int64_t n"),

@@ -72,6 +72,7 @@ from plinth_cpu.native import (
     NativeKernels,
     amx_mode,
     choose_variant,
+    native_cpu_flags,
 )
 from plinth_cpu.preflight import _cpu_flags
 
@@ -347,13 +348,13 @@ def _pairs_kernel_missing() -> str | None:
         return f"bf16 models: no AVX512-BF16 dot-product kernel ({PAIRS_ENV}=0)"
     if bad := amx_status():
         return bad
-    if "avx512_bf16" not in (_cpu_flags() or set()):
+    if "avx512_bf16" not in (native_cpu_flags() or set()):
         return "bf16 models: no AVX512-BF16 dot-product kernel (the CPU has no AVX512-BF16)"
     try:
         variant, _ = choose_variant()
     except ValueError as e:
         return f"bf16 models: no AVX512-BF16 dot-product kernel ({e})"
-    if variant is not AVX512:
+    if variant.name != AVX512.name:  # the AVX-512 build, or its emulation
         return f"bf16 models: no AVX512-BF16 dot-product kernel (the {variant.name} build is chosen)"
     return None
 
@@ -366,13 +367,13 @@ def bf16_pairs_status() -> str:
     packing = os.environ.get(ONEDNN_PACKED_ENV, "auto")
     packed = packing in ONEDNN_PACKED_MODES and onednn_packing(packing)[0]
     kernel = "the native AVX512-BF16 dot-product kernel (pair panels)"
-    if not packed:  # no oneDNN copy to hand larger products to
-        return f"bf16 models: products of every row count by {kernel}"
     amx = amx_tiles_expected()
     if amx:
         kernel = "the native AMX-BF16 tile kernel (pair panels; AVX512-BF16 dot products for 1 row)"
-        if amx_kernel_takes_every_product():
-            return f"bf16 models: products of every row count by {kernel}, no oneDNN copy of the weights"
+    if not packed:  # no oneDNN copy to hand larger products to
+        return f"bf16 models: products of every row count by {kernel}"
+    if amx and amx_kernel_takes_every_product():
+        return f"bf16 models: products of every row count by {kernel}, no oneDNN copy of the weights"
     rows = os.environ.get(ROWS16_ENV, str(pairs_max_rows(packed, amx)))
     above = "oneDNN's AMX GEMM" if amx_bf16_onednn() else "oneDNN"
     return f"bf16 models: products of up to {rows} rows by {kernel}, larger ones by {above} on its pre-packed copy"
@@ -386,7 +387,7 @@ def amx_tiles_expected() -> bool:
         on = amx_mode() == "auto"
     except ValueError:  # named by amx_status
         return False
-    return on and {"amx_tile", "amx_bf16", "avx512_bf16"} <= (_cpu_flags() or set())
+    return on and {"amx_tile", "amx_bf16", "avx512_bf16"} <= (native_cpu_flags() or set())
 
 
 def amx_status() -> str | None:

@@ -9,6 +9,10 @@ it ahead (``python -m plinth_cpu.native``).
 The kernels need x86-64 with AVX2, FMA and F16C. The same source is built once per ISA variant
 (:data:`VARIANTS`: AVX-512 with VNNI, and AVX2) and the best one the CPU runs is loaded
 (``PLINTH_CPU_ISA=avx2`` forces the AVX2 build on an AVX-512 host, so one machine tests both).
+``PLINTH_CPU_EMULATE=1`` builds the AVX-512 variant with its AVX-512 and AMX instructions emulated in
+portable code (``csrc/emulate.h``: SIMDe's headers from the simde-py package, and AMX tiles of its
+own) and loads it on any host with AVX2: a test build that runs those paths, several times slower,
+on a CPU that lacks them, so a CI run on an AVX2 host covers them too.
 Elsewhere, or without a compiler, or with ``PLINTH_CPU_NATIVE=0``, :func:`native` returns ``None``
 and the backend runs its torch kernels; :func:`native_status` says why.
 """
@@ -33,6 +37,8 @@ from plinth_cpu.host_memory import huge_page_tensor
 from plinth_cpu.preflight import REQUIRED_CPU_FLAGS, _cpu_flags, build_check
 
 SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
+#: The header that stands in for <immintrin.h> in the emulated build (``-DPLINTH_EMULATE``).
+EMULATION_HEADER = SOURCE.with_name("emulate.h")
 #: Compiler flags of every build; each :class:`IsaVariant` adds its own ``-m`` flags.
 FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-fno-math-errno")
 #: ``auto`` (default: the best variant the CPU runs) or a variant's name, forced.
@@ -63,6 +69,59 @@ AVX512 = IsaVariant(
 )
 #: The builds, best first: the first whose ``cpu_flags`` the CPU has is loaded.
 VARIANTS: tuple[IsaVariant, ...] = (AVX512, AVX2)
+
+#: "1": the AVX-512 variant is built emulated (:data:`EMULATED_AVX512`) and chosen on any AVX2 host.
+EMULATE_ENV = "PLINTH_CPU_EMULATE"
+#: What the emulated build gives the kernels' own probes (AVX512-BF16 and AMX-BF16 report present);
+#: the native-kernel decisions read these as CPU flags (:func:`native_cpu_flags`), torch's never do.
+EMULATED_CPU_FLAGS = frozenset(
+    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}
+)
+
+
+def _emulation_flags() -> tuple[str, ...]:
+    """The compiler flags of the emulated build: the AVX2 variant's, the emulation switch and SIMDe's
+    headers (the simde-py package, a test dependency); NativeBuildError where they are missing."""
+    try:
+        import simde_py  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError as e:
+        raise NativeBuildError(
+            f"{EMULATE_ENV}=1 needs SIMDe's headers: pip install simde-py (plinth's [test] extra has it)"
+        ) from e
+    # -O2 after FLAGS' -O3: SIMDe's inlined emulations take gcc 12 ~200 s to compile at -O3, 24 s at -O2
+    return (*AVX2.flags, "-O2", "-DPLINTH_EMULATE", "-Wno-psabi", f"-I{simde_py.get_include()}")
+
+
+def emulating() -> bool:
+    """:data:`EMULATE_ENV` checked: True for "1", False when unset or "0"; another value is named."""
+    mode = os.environ.get(EMULATE_ENV, "0").strip()
+    if mode not in ("0", "1"):
+        raise ValueError(f"{EMULATE_ENV}={mode!r} is not one of 0, 1")
+    return mode == "1"
+
+
+#: The AVX-512 variant built with :data:`EMULATE_ENV`: its paths (AVX-512, AVX512-BF16, AMX tiles) run on
+#: any CPU with AVX2 (the flags are filled in when it is built: SIMDe's include path is found then).
+EMULATED_AVX512 = IsaVariant(
+    AVX512.name, f"{AVX512.label} + AVX512-BF16 + AMX-BF16, emulated (a test build)", (), REQUIRED_CPU_FLAGS, 103
+)
+
+
+def variants() -> tuple[IsaVariant, ...]:
+    """:data:`VARIANTS`, with the AVX-512 one emulated where :data:`EMULATE_ENV` asks."""
+    return tuple(EMULATED_AVX512 if emulating() and v is AVX512 else v for v in VARIANTS)
+
+
+def native_cpu_flags() -> set[str] | None:
+    """The CPU flags the native kernels' decisions read: /proc/cpuinfo's, plus what the emulated build
+    provides (:data:`EMULATED_CPU_FLAGS`) where :data:`EMULATE_ENV` asks for it. Never raises."""
+    flags = _cpu_flags()
+    try:
+        emulated = emulating()
+    except ValueError:
+        emulated = False
+    return flags | EMULATED_CPU_FLAGS if emulated and flags is not None else flags
+
 
 #: ggml block formats the library multiplies natively: name -> (code, elements, bytes per block)
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = {"q4_1": (0, 32, 20), "q8_0": (1, 32, 34)}
@@ -184,9 +243,11 @@ def cache_dir() -> Path:
 
 def library_path(compiler: str, variant: IsaVariant = AVX2) -> Path:
     """The cached library's path for this source, ``variant``'s flags and ``compiler``."""
-    sources = SOURCE.read_bytes() + HEADER.read_bytes()
-    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS, *variant.flags)).encode()).hexdigest()[:16]
-    return cache_dir() / "cpu-kernels" / key / f"libplinth_cpu_{variant.name}.so"
+    sources = SOURCE.read_bytes() + HEADER.read_bytes() + EMULATION_HEADER.read_bytes()
+    flags = _emulation_flags() if variant is EMULATED_AVX512 else variant.flags
+    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS, *flags)).encode()).hexdigest()[:16]
+    suffix = "_emulated" if variant is EMULATED_AVX512 else ""
+    return cache_dir() / "cpu-kernels" / key / f"libplinth_cpu_{variant.name}{suffix}.so"
 
 
 def build(compiler: str, variant: IsaVariant = AVX2) -> Path:
@@ -199,7 +260,8 @@ def build(compiler: str, variant: IsaVariant = AVX2) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, *variant.flags, str(SOURCE), "-o", tmp, "-lm"]
+    flags = _emulation_flags() if variant is EMULATED_AVX512 else variant.flags
+    cmd = [compiler, *FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -624,7 +686,7 @@ class NativeKernels:
 def runnable_variants(flags: set[str] | None = None) -> list[IsaVariant]:
     """The variants this CPU runs (``flags``: its /proc/cpuinfo flags), best first."""
     flags = _cpu_flags() if flags is None else flags
-    return [v for v in VARIANTS if flags is not None and v.cpu_flags <= flags]
+    return [v for v in variants() if flags is not None and v.cpu_flags <= flags]
 
 
 def _wanted_isa() -> str:
@@ -640,7 +702,7 @@ def choose_variant(flags: set[str] | None = None) -> tuple[IsaVariant, str]:
     flags = _cpu_flags() if flags is None else flags
     have = flags or set()
     wanted = _wanted_isa()
-    names = {v.name: v for v in VARIANTS}
+    names = {v.name: v for v in variants()}
     if wanted != "auto":
         if wanted not in names:
             raise ValueError(f"{ISA_ENV}={wanted!r}: expected auto or one of {', '.join(names)}")
@@ -649,6 +711,8 @@ def choose_variant(flags: set[str] | None = None) -> tuple[IsaVariant, str]:
             raise ValueError(f"{ISA_ENV}={wanted}: this CPU lacks {', '.join(sorted(missing))}")
         return variant, f"forced by {ISA_ENV}={wanted}"
     best = runnable_variants(have)[0]
+    if best is EMULATED_AVX512:
+        return best, f"{EMULATE_ENV}=1 (AVX-512 and AMX emulated: correct, not fast)"
     skipped = list(VARIANTS[: VARIANTS.index(best)])
     if not skipped:
         extra = sorted(best.cpu_flags - AVX2.cpu_flags)
@@ -666,7 +730,7 @@ def _load() -> tuple[NativeKernels | None, str]:
     try:
         kernels = NativeKernels(build(compiler, variant), variant)
     except (NativeBuildError, OSError) as e:
-        if variant is AVX2 or _wanted_isa() != "auto":  # nothing to fall back to, or forced
+        if variant is not AVX512 or _wanted_isa() != "auto":  # nothing to fall back to, or asked for
             return None, f"native kernels failed to build or load: {e}"
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         try:  # an older compiler without the ISA: the AVX2 build still runs
@@ -719,7 +783,7 @@ def build_all() -> list[str]:
     if compiler is None:
         return [why_not]
     lines = []
-    for variant in VARIANTS:
+    for variant in variants():
         try:
             lines.append(f"{variant.name}: {build(compiler, variant)}")
         except NativeBuildError as e:

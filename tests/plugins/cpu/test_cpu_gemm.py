@@ -38,6 +38,7 @@ def test_bf16_weights_are_packed_where_onednn_runs_bf16(
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", mode)
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: flags)
     expected = packs and torch.backends.mkldnn.is_available()
     assert onednn_packs(dtype) is expected
     assert CpuGemm(dtype).onednn_packed is expected
@@ -232,6 +233,7 @@ def test_packing_stops_where_the_copy_would_crowd_the_host(
     in the log); "1" packs regardless. The reorder itself is stubbed, so this runs on every host."""
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: {"avx2", "avx512_bf16"})
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     monkeypatch.setattr(gemm_mod, "onednn_pack", lambda w: OneDnnPacked(w))
     gib = 1 << 30
@@ -275,6 +277,7 @@ def test_backends_line_says_whether_bf16_weights_are_packed(
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", mode)
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     assert says in gemm_mod.onednn_packing_status()
     assert any(says in reason for reason in CpuBackend().probe().reasons)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import platform
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def _kernels(variant: str) -> NativeKernels:
         return loaded
     compiler = native_mod.build_check()[0]
     assert compiler is not None
-    chosen = next(v for v in native_mod.VARIANTS if v.name == variant)
+    chosen = next(v for v in native_mod.variants() if v.name == variant)
     return NativeKernels(native_mod.build(compiler, chosen), chosen)
 
 
@@ -1119,6 +1120,7 @@ _AVX2_HOST = set(native_mod.AVX2.cpu_flags) | {"sse4_2", "avx512f"}  # some AVX-
 
 def test_the_best_build_the_cpu_runs_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(native_mod.ISA_ENV, raising=False)
+    monkeypatch.delenv(native_mod.EMULATE_ENV, raising=False)
     variant, why = native_mod.choose_variant(_AVX512_HOST)
     assert variant is native_mod.AVX512 and "avx512_vnni" in why
     variant, why = native_mod.choose_variant(_AVX2_HOST)
@@ -1128,6 +1130,7 @@ def test_the_best_build_the_cpu_runs_is_chosen(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_environment_forces_a_build_the_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native_mod.EMULATE_ENV, raising=False)
     monkeypatch.setenv(native_mod.ISA_ENV, "avx2")
     assert native_mod.choose_variant(_AVX512_HOST) == (native_mod.AVX2, "forced by PLINTH_CPU_ISA=avx2")
     monkeypatch.setenv(native_mod.ISA_ENV, "avx512")
@@ -1136,6 +1139,54 @@ def test_the_environment_forces_a_build_the_cpu_runs(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(native_mod.ISA_ENV, "sse2")
     with pytest.raises(ValueError, match=r"PLINTH_CPU_ISA='sse2': expected auto or one of avx512, avx2"):
         native_mod.choose_variant(_AVX512_HOST)
+
+
+def test_the_emulated_build_is_chosen_on_any_avx2_host_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PLINTH_CPU_EMULATE=1 puts the emulated AVX-512 build first whatever the CPU has beyond AVX2;
+    PLINTH_CPU_ISA=avx2 still forces the AVX2 build; a bad value is named."""
+    monkeypatch.delenv(native_mod.ISA_ENV, raising=False)
+    monkeypatch.setenv(native_mod.EMULATE_ENV, "1")
+    emulated = native_mod.EMULATED_AVX512
+    for host in (_AVX2_HOST, _AVX512_HOST):
+        variant, why = native_mod.choose_variant(host)
+        assert variant is emulated and "PLINTH_CPU_EMULATE=1" in why and "emulated" in variant.label
+        assert native_mod.runnable_variants(host) == [emulated, native_mod.AVX2]
+    assert variant.name == native_mod.AVX512.name  # the AVX-512 build's tuning and routing apply to it
+    assert {"avx512_bf16", "amx_bf16"} <= (native_mod.native_cpu_flags() or set())
+    monkeypatch.setenv(native_mod.ISA_ENV, "avx2")
+    assert native_mod.choose_variant(_AVX2_HOST)[0] is native_mod.AVX2
+    monkeypatch.setenv(native_mod.EMULATE_ENV, "yes")
+    with pytest.raises(ValueError, match=r"PLINTH_CPU_EMULATE='yes' is not one of 0, 1"):
+        native_mod.choose_variant(_AVX2_HOST)
+    monkeypatch.setenv(native_mod.EMULATE_ENV, "0")
+    assert native_mod.native_cpu_flags() == native_mod._cpu_flags()
+
+
+#: Instructions of the AVX-512 and AMX extensions as objdump writes them (zmm and mask registers, the
+#: AMX tile instructions, the bf16 and VNNI ones that have 256-bit forms).
+_EMULATED_AWAY = ("%zmm", "%k1", "%k2", "%k3", "%k4", "%k5", "%k6", "%k7", "tileloadd", "tdpbf16ps", "ldtilecfg",
+                  "vcvtneps2bf16", "vdpbf16ps", "vpdpwssd", "vpdpbusd")  # fmt: skip
+
+
+@pytest.mark.skipif(not _can_build() or not shutil.which("objdump"), reason="needs a compiler and objdump")
+def test_the_emulated_build_has_no_avx512_or_amx_instruction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulated build runs on a CPU without AVX-512 or AMX only if none of their instructions is
+    in it: its disassembly has none, where the AVX-512 build's has them (so the check can fail)."""
+    pytest.importorskip("simde_py", reason="the emulated build needs simde-py (the [test] extra)")
+    compiler = native_mod.build_check()[0]
+    assert compiler is not None
+    monkeypatch.setenv(native_mod.EMULATE_ENV, "1")
+
+    def found(path: object) -> set[str]:
+        text = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+        return {i for i in _EMULATED_AWAY if i in text}
+
+    assert found(native_mod.build(compiler, native_mod.EMULATED_AVX512)) == set()
+    try:
+        real = native_mod.build(compiler, native_mod.AVX512)  # compiling needs no AVX-512 CPU
+    except native_mod.NativeBuildError as e:
+        pytest.skip(f"this compiler cannot build the AVX-512 variant to compare: {e}")
+    assert {"%zmm", "tdpbf16ps", "vdpbf16ps"} <= found(real)
 
 
 def test_status_names_a_refused_build_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1153,7 +1204,7 @@ def test_a_library_built_for_another_isa_is_refused() -> None:
     """A cached file is loaded only as the build it is (``plinth_isa``), never as another."""
     loaded = native()
     assert loaded is not None
-    other = next(v for v in native_mod.VARIANTS if v is not loaded.variant)
+    other = next(v for v in native_mod.variants() if v.level != loaded.variant.level)
     with pytest.raises(native_mod.NativeBuildError, match="built for ISA level"):
         NativeKernels(loaded.path, other)
 
@@ -1163,7 +1214,6 @@ def test_forced_avx2_build_loads_and_says_so() -> None:
     """``PLINTH_CPU_ISA=avx2`` in a fresh process loads the AVX2 build (on an AVX-512 host too) and
     the backend's probe says it was forced."""
     import os
-    import subprocess
     import sys
 
     code = (
@@ -1337,6 +1387,9 @@ def test_amx_is_named_where_onednn_runs_it(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("PLINTH_CPU_BF16_PAIRS", raising=False)
     monkeypatch.delenv("PLINTH_CPU_ONEDNN_PACKED", raising=False)
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    monkeypatch.setattr(
+        gemm_mod, "native_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    )
     assert gemm_mod.amx_bf16_onednn()
     if native_mod.choose_variant()[0] is native_mod.AVX512 and gemm_mod.onednn_packing("auto")[0]:
         # the status lines name the kernel only there
@@ -1357,6 +1410,7 @@ def test_amx_is_named_where_onednn_runs_it(monkeypatch: pytest.MonkeyPatch) -> N
         assert not gemm_mod.amx_bf16_onednn()
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     assert not gemm_mod.amx_bf16_onednn()
 
 
@@ -1395,6 +1449,7 @@ def test_bf16_model_native_rows_follow_the_cpu(
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setenv("PLINTH_CPU_ONEDNN_PACKED", packed)
     monkeypatch.setattr(gemm_mod, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: flags)
     if packed == "auto" and bound == 4 and not torch.backends.mkldnn.is_available():
         bound = 8  # a torch without oneDNN packs nothing
     assert NativeGemm(torch.bfloat16, nk, bf16_pairs="0").rows16_max_rows == bound

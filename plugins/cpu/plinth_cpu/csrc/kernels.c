@@ -21,7 +21,11 @@
  * amax / 32767) or int8 (amax / 127, like llama.cpp's Q8_1, also keeping d * sum(q)) and
  * accumulate integer dot products per block.
  */
+#ifdef PLINTH_EMULATE
+#include "emulate.h" /* the AVX-512 and AMX instructions in portable code: a test build (see there) */
+#else
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -107,13 +111,17 @@ int plinth_abi_version(void) { return PLINTH_ABI_VERSION; }
 /* Which ISA this build targets (native.py builds one library per variant and loads the one the CPU
  * runs): 3 with AVX-512 F/BW/VL/DQ and VNNI (its int16 dot products run on 512-bit registers), 2 for
  * AVX2/FMA/F16C only. Everything else is the same code in both builds. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VNNI__)
+#if defined(PLINTH_EMULATE) || (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+                                defined(__AVX512DQ__) && defined(__AVX512VNNI__))
 #define PLINTH_AVX512 1
 #else
 #define PLINTH_AVX512 0
 #endif
+#ifdef PLINTH_EMULATE
+int plinth_isa(void) { return 103; } /* the AVX-512 build, emulated: never mistaken for the real one */
+#else
 int plinth_isa(void) { return PLINTH_AVX512 ? 3 : 2; }
+#endif
 
 #if PLINTH_AVX512
 /* [x[0] x 8 | x[1] x 8]: an 8-byte load (memcpy: no float read through a double pointer) and a permute */
@@ -1237,9 +1245,16 @@ int plinth_gemm_panels16(int wt, const float *x, const void *P, const float *bia
 
 #if PLINTH_AVX512
 #include <cpuid.h>
+#ifdef PLINTH_EMULATE
+#define BF16_TARGET /* emulated: no instruction of the target may be emitted */
+#else
 #define BF16_TARGET __attribute__((target("avx512bf16")))
+#endif
 
 static int bf16_dot_probe(void) {
+#ifdef PLINTH_EMULATE
+    return 1;
+#endif
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
     return (a >> 5) & 1; /* CPUID.(7,1):EAX bit 5: AVX512_BF16 */
@@ -1339,11 +1354,15 @@ static BF16_TARGET void gemm_pairs_range(void *p, int64_t begin, int64_t end) {
  * where plinth_amx_bf16 says so (the CPU has both and Linux granted the tile data: arch_prctl
  * ARCH_REQ_XCOMP_PERM), for K a multiple of 32 and at least AMX_MIN_ROWS rows.
  */
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#if defined(PLINTH_EMULATE) || (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define PLINTH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#ifdef PLINTH_EMULATE
+#define AMX_TARGET
+#else
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#endif
 #define AMX_MIN_ROWS 2
 
 typedef struct __attribute__((packed)) {
@@ -1450,6 +1469,9 @@ static AMX_TARGET void gemm_pairs_amx_range(void *p, int64_t begin, int64_t end)
 /* 1 where the CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24, 22) and Linux lets this
  * process use the tile data (XFEATURE_XTILEDATA, 18); asked for once */
 static int amx_probe(void) {
+#ifdef PLINTH_EMULATE
+    return 1;
+#endif
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) return 0;
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
