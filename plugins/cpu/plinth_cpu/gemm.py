@@ -84,6 +84,13 @@ PANELS = "f32_panels"
 PANELS16 = "w16_panels"
 #: "0": bf16/fp16 checkpoint weights of an fp32 model are cast to fp32 panels too (default "1": kept in 16 bits).
 KEEP16_ENV = "PLINTH_CPU_KEEP_16BIT"
+#: An fp32 model's products of at least this many rows on AMX tiles as three bf16 products (the weight
+#: also kept as bf16 hi/lo parts, :meth:`NativeKernels.pack_bf16x3`: 6 more bytes a weight; products
+#: within 2^-16 of |x| |w| of the exact ones, where fp32 FMAs are within ~2^-24 K); "0" (default): never.
+#: Where the native build runs AMX-BF16 (or its emulation), for weights with K a multiple of 32, outside
+#: step graphs (their decode products stay on the fp32 panels). Off by default: its speed against the
+#: fp32 panels has not been measured on an AMX host yet.
+BF16X3_ENV = "PLINTH_CPU_FP32_BF16X3"
 #: Activation handling for quantized weights at few rows: "int16" (default), "fp32" or "int8".
 ACTIVATIONS_ENV = "PLINTH_CPU_ACTIVATIONS"
 ACTIVATION_MODES = ("int16", "fp32", "int8")
@@ -535,6 +542,11 @@ class NativeGemm(CpuGemm):
         # an fp32 model takes a 16-bit checkpoint's weights as stored and keeps them in 16-bit panels
         keep16 = dtype == torch.float32 and os.environ.get(KEEP16_ENV, "1") != "0"
         self.stored_dtypes = frozenset(PANEL16_DTYPES) if keep16 else frozenset()
+        bf16x3 = os.environ.get(BF16X3_ENV, "0")
+        if not bf16x3.isdigit():
+            raise ValueError(f"{BF16X3_ENV}={bf16x3!r}: expected a row count (0: never)")
+        #: an fp32 model's products from this many rows as three bf16 products on AMX tiles (0: never)
+        self.bf16x3_min_rows = int(bf16x3) if dtype == torch.float32 and native.amx_bf16 else 0
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearWeight:
         """As :meth:`CpuGemm.prepare`; in an fp32 model, weights with K a multiple of 8 are laid out in
@@ -562,8 +574,11 @@ class NativeGemm(CpuGemm):
         if self.dtype != torch.float32 or w is None or prepared.in_features % 8:
             return prepared
         panels = self.native.pack_f32(w)  # [ceil(N/8), K, 8]
+        data = {"panels": panels}
+        if self.bf16x3_min_rows and prepared.in_features % 32 == 0:
+            data["bf16x3"] = self.native.pack_bf16x3(w.to(torch.float32).contiguous())
         return LinearWeight(prepared.out_features, prepared.in_features, weight=None, bias=prepared.bias,
-                            format=PANELS, data={"panels": panels})  # fmt: skip
+                            format=PANELS, data=data)  # fmt: skip
 
     def prepare_quantized(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearWeight:
         """Keep q4_1/q8_0 blocks (the bias in fp32); other formats are dequantized.
@@ -591,6 +606,9 @@ class NativeGemm(CpuGemm):
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         """``x`` [M, K] -> [M, N]. A bf16/fp16 ``x`` is widened to fp32 and the fp32 result rounded
         back to its dtype once, by native calls (so a 16-bit model's step records in a graph)."""
+        if "bf16x3" in weight.data and x.shape[0] >= self.bf16x3_min_rows and not self.native.recording:
+            y = self.native.gemm_bf16x3(x, weight.data["bf16x3"], weight.bias, weight.out_features)
+            return self._as_dtype(y, x.dtype)
         if weight.format in (PANELS, PANELS16):
             gemm = self.native.gemm_f32_panels if weight.format == PANELS else self.native.gemm_panels16
             y = gemm(self._as_f32(x), weight.data["panels"], weight.bias, weight.out_features)

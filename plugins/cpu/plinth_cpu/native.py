@@ -438,6 +438,32 @@ class NativeKernels:
             raise ValueError("gemm_bf16_pairs: this CPU or build has no AVX512-BF16 dot products")
         return y
 
+    @property
+    def recording(self) -> bool:
+        """Whether a step graph is recording (only native calls replay: torch ops in between do not)."""
+        return isinstance(self.lib, _RecordingLibrary)
+
+    def pack_bf16x3(self, w: torch.Tensor) -> torch.Tensor:
+        """An fp32 ``w`` [N, K] split into bf16 parts, ``w = hi + lo`` (``hi`` the nearest bf16, ``lo`` the
+        rest rounded to bf16; ``lo`` zero where ``w`` is not finite), laid out as the pair panels of
+        ``[hi | lo | hi]`` ([N, 3K]; the second ``hi`` zero where it is not finite, so an infinite weight
+        meets the activations once, as in fp32) for :meth:`gemm_bf16x3`: 6 bytes a weight."""
+        if w.dtype != torch.float32 or w.dim() != 2:
+            raise ValueError(f"bf16x3 panels split an fp32 [N, K] weight, not {w.dtype} {tuple(w.shape)}")
+        hi, lo = _split_bf16(w)
+        return self.pack_bf16_pairs(torch.cat((hi, lo, _finite(hi)), dim=1).contiguous())
+
+    def gemm_bf16x3(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """``x`` [M, K] (fp32) @ w^T (+ ``bias``) -> fp32 [M, n] from :meth:`pack_bf16x3`'s panels: ``x``
+        split as the weight is, the three products ``x_hi w_hi + x_hi w_lo + x_lo w_hi`` as one bf16
+        product over 3K (``[x_hi | x_hi | x_lo]``, the second ``x_hi`` zero where it is not finite: an
+        infinite activation meets the weight once, as in fp32), summed in fp32 (on AMX tiles where the build has
+        them). Each term is exact in fp32; what is left out (``x_lo w_lo`` and the parts' own
+        rounding) is below 2^-16 of ``|x| |w|``: near-fp32 products at bf16 speed, three times over.
+        Torch ops split ``x``: not for a step graph (see :attr:`recording`)."""
+        hi, lo = _split_bf16(x.to(torch.float32))
+        return self.gemm_bf16_pairs(torch.cat((hi, _finite(hi), lo), dim=1), panels, bias, n, torch.float32)
+
     def dequant_panels(self, fmt: str, blocks: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
         """The fp32 values of a ggml ``fmt`` weight [n, k] in the panels of :meth:`pack_f32`, into
         ``out`` (at least ``ceil(n/8) * 8 * k`` floats); returns the panels as ``[ceil(n/8), k, 8]``."""
@@ -681,6 +707,19 @@ class NativeKernels:
         )  # fmt: skip
         if failed:
             raise MemoryError("no memory for prefill attention scores")
+
+
+def _split_bf16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``v`` as bf16 ``(hi, lo)``: ``hi`` the nearest bf16, ``lo`` the rest rounded (zero where ``hi``
+    is infinite or NaN, so ``hi`` alone carries it)."""
+    hi = v.to(torch.bfloat16)
+    wide = hi.to(torch.float32)
+    return hi, torch.where(torch.isfinite(wide), v - wide, 0.0).to(torch.bfloat16)
+
+
+def _finite(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with its infinite and NaN elements zero."""
+    return torch.where(torch.isfinite(v), v, 0.0).to(v.dtype)
 
 
 def runnable_variants(flags: set[str] | None = None) -> list[IsaVariant]:

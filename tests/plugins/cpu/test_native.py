@@ -891,6 +891,33 @@ def test_engine_runs_a_16bit_model_natively_in_step_graphs(
             assert shared and max(abs(tok_a[t] - tok_b[t]) for t in shared) < within
 
 
+@pytest.mark.slow
+@needs_native
+def test_engine_runs_an_fp32_models_prefill_as_bf16x3_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 in fp32 with PLINTH_CPU_FP32_BF16X3=16 where the loaded build has AMX tiles (an AMX host,
+    or PLINTH_CPU_EMULATE=1): the prompt's products of 16 rows or more run as three bf16 products, and
+    the greedy tokens and their log-probabilities are the fp32 model's (within 2e-3 nats; plain bf16
+    moves them by up to 0.06)."""
+    kernels = native()
+    assert kernels is not None
+    if not kernels.amx_bf16:
+        pytest.skip(f"the loaded {kernels.variant.name} build has no AMX-BF16 tiles")
+    from plinth import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    prompts = ["Write a haiku about the sea. " * 3]
+    monkeypatch.delenv(gemm_mod.BF16X3_ENV, raising=False)
+    ref = LLM(backend="cpu", max_model_len=128, num_kv_blocks=16, quantization="none").generate(prompts, params)
+    monkeypatch.setenv(gemm_mod.BF16X3_ENV, "16")
+    llm = LLM(backend="cpu", max_model_len=128, num_kv_blocks=16, quantization="none")
+    assert "bf16x3" in llm.engine.model.layers[0].mlp.gate_up_proj.weight.data
+    a, b = llm.generate(prompts, params)[0].outputs[0], ref[0].outputs[0]
+    assert a.token_ids == b.token_ids and a.logprobs is not None and b.logprobs is not None
+    for top, ref_top in zip(a.logprobs, b.logprobs, strict=True):
+        got, want = dict(top.top), dict(ref_top.top)
+        assert got.keys() == want.keys() and max(abs(got[t] - want[t]) for t in got) < 2e-3
+
+
 @needs_native
 def test_read_probe_sums(nk: NativeKernels, threads: int) -> None:
     x = torch.rand(64 * 4096)
@@ -1616,6 +1643,76 @@ def test_bf16_pairs_gemm_sums_the_exact_products(nk: NativeKernels, threads: int
     y16 = nk.gemm_bf16_pairs(x, P, b, n, torch.bfloat16)
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
     assert ((nk.gemm_bf16_pairs(x, P, None, n, torch.float32).double() - exact).abs() <= bound + 1e-6).all()
+
+
+@needs_native
+@pytest.mark.parametrize("m,n,k", [(1, 100, 256), (17, 100, 256), (96, 200, 576), (64, 61, 64)])
+def test_bf16x3_products_are_near_fp32(nk: NativeKernels, m: int, n: int, k: int) -> None:
+    """An fp32 product as three bf16 products (hi/lo parts of both operands, summed in fp32): within
+    1e-5 of |x| |w| of the float64 product (the parts' rounding: ~2^-17 each), where the plain bf16
+    product is off by more than 1e-4 (so the test tells them apart), plus the fp32 bias; on AMX tiles
+    (K a multiple of 32, 2 rows or more) where the build has them."""
+    _needs_bf16_dot(nk)
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    y = nk.gemm_bf16x3(x, nk.pack_bf16x3(w), b, n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    err = ((y.double() - b.double() - exact).abs() / scale).max().item()
+    plain = ((x.bfloat16().double() @ w.bfloat16().double().T - exact).abs() / scale).max().item()
+    print(f"bf16x3 {m}x{n}x{k} on {'AMX tiles' if nk.amx_bf16 and m >= 2 else 'dot products'}: {err:.2e} of "
+          f"|x||w| (plain bf16 {plain:.2e})")  # fmt: skip
+    assert err < 1e-5 and plain > 1e-4
+
+
+@needs_native
+def test_bf16x3_products_keep_non_finite_values_as_fp32_does(nk: NativeKernels) -> None:
+    """An infinite activation or weight meets the other operand once (its lo part and the second hi
+    copy are zero): the infinities and NaNs land where fp32's do, with their signs, at 1 row (dot
+    products) and at several (tiles)."""
+    _needs_bf16_dot(nk)
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 4, 33):
+        x, w = torch.randn(m, 64, generator=gen), torch.randn(8, 64, generator=gen)
+        x[0, 3], x[m // 2, 5], x[-1, 7], w[2, 9] = float("inf"), float("-inf"), float("nan"), float("inf")
+        y, ref = nk.gemm_bf16x3(x, nk.pack_bf16x3(w), None, 8), x @ w.T
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+        assert torch.equal(y[torch.isinf(y)], ref[torch.isinf(ref)])
+        finite = torch.isfinite(ref)
+        assert torch.allclose(y[finite], ref[finite], rtol=1e-5, atol=1e-3)  # the bound: the test above
+
+
+@needs_native
+def test_fp32_models_take_bf16x3_products_from_the_rows_asked_for(
+    recording: NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PLINTH_CPU_FP32_BF16X3=16 on a build with AMX tiles: an fp32 weight with K a multiple of 32 keeps
+    bf16x3 panels beside its fp32 panels, products of 16 rows or more run on them, fewer rows, a step
+    graph being recorded and other K on the fp32 panels (bit for bit); without AMX, or by default,
+    none is made; a bad value is named."""
+    nk = recording
+    gen = torch.Generator().manual_seed(5)
+    w, w_odd, b = torch.randn(48, 64, generator=gen), torch.randn(48, 40, generator=gen), torch.randn(48)
+    monkeypatch.delenv(gemm_mod.BF16X3_ENV, raising=False)
+    assert "bf16x3" not in NativeGemm(torch.float32, nk).prepare(w, b).data
+    monkeypatch.setenv(gemm_mod.BF16X3_ENV, "16")
+    gemm = NativeGemm(torch.float32, nk)
+    lw = gemm.prepare(w, b)
+    assert gemm.prepare(w_odd, b).data.keys() == {"panels"}
+    if not nk.amx_bf16:
+        assert gemm.bf16x3_min_rows == 0 and lw.data.keys() == {"panels"}
+        pytest.skip(f"the {nk.variant.name} build here has no AMX-BF16 tiles: fp32 panels only")
+    assert gemm.bf16x3_min_rows == 16 and lw.format == gemm_mod.PANELS and "bf16x3" in lw.data
+    x = torch.randn(16, 64, generator=gen)
+    assert torch.equal(gemm.linear(x, lw), nk.gemm_bf16x3(x, lw.data["bf16x3"], b, 48))
+    assert torch.equal(gemm.linear(x[:15], lw), nk.gemm_f32_panels(x[:15], lw.data["panels"], b, 48))
+    nk.begin_recording()
+    assert torch.equal(gemm.linear(x, lw), nk.gemm_f32_panels(x, lw.data["panels"], b, 48))
+    nk.cancel_recording()
+    monkeypatch.setenv(gemm_mod.BF16X3_ENV, "many")
+    with pytest.raises(ValueError, match=r"PLINTH_CPU_FP32_BF16X3='many': expected a row count"):
+        NativeGemm(torch.float32, nk)
 
 
 @needs_native
