@@ -157,6 +157,11 @@ PLINTH_VARIANTS: tuple[tuple[str, str, list[str]], ...] = (
         ["PLINTH_CPU_QUANT_BATCHED=bf16", "--quantization", "auto"],
     ),
     ("plinth bf16 (--dtype bfloat16 --quantization none)", "bf16", ["--dtype", "bfloat16", "--quantization", "none"]),
+    (  # AMX hosts: the fp32 model's multi-row products as three bf16 products on tiles (no effect elsewhere)
+        "plinth fp32, 16+ row products as bf16x3 on AMX (PLINTH_CPU_FP32_BF16X3=16)",
+        "fp32-bf16x3",
+        ["PLINTH_CPU_FP32_BF16X3=16", "--quantization", "none"],
+    ),
 )
 
 
