@@ -366,6 +366,21 @@ def _pairs_kernel_missing() -> str | None:
     return None
 
 
+def bf16x3_status() -> str | None:
+    """Where :data:`BF16X3_ENV` asks for three-bf16 products, whether an fp32 model will run them (the
+    AVX-512 build or its emulation, AMX tiles expected), in a line for ``plinth backends``; None where
+    it is unset or 0. Loads and compiles nothing, never raises."""
+    rows = os.environ.get(BF16X3_ENV, "0")
+    if rows == "0":
+        return None
+    if not rows.isdigit():
+        return f"{BF16X3_ENV}={rows!r} is not a row count: an fp32 model will not start"
+    if (missing := _pairs_kernel_missing()) is None and amx_tiles_expected():
+        return f"fp32 models: products of {rows} rows or more as three bf16 products on AMX tiles ({BF16X3_ENV})"
+    why = missing.removeprefix("bf16 models: ") if missing else "no AMX-BF16 tiles expected here"
+    return f"fp32 models: {BF16X3_ENV}={rows} asked for, but fp32 panels only ({why})"
+
+
 def bf16_pairs_status() -> str:
     """Whether a bf16 model's decode-sized products run the native AVX512-BF16 kernel on pair panels
     (:data:`PAIRS_ENV`), in a line for ``plinth backends``; loads and compiles nothing, never raises."""

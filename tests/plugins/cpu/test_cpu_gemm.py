@@ -281,3 +281,26 @@ def test_backends_line_says_whether_bf16_weights_are_packed(
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     assert says in gemm_mod.onednn_packing_status()
     assert any(says in reason for reason in CpuBackend().probe().reasons)
+
+
+def test_backends_line_says_whether_fp32_products_run_as_bf16x3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plinth backends`` names PLINTH_CPU_FP32_BF16X3 only when it is set: taken where the AMX tile
+    kernel is expected (here: the emulated build), refused with the reason elsewhere, a bad value named."""
+    from plinth_cpu import native as native_mod
+
+    monkeypatch.delenv(gemm_mod.BF16X3_ENV, raising=False)
+    monkeypatch.delenv(native_mod.ISA_ENV, raising=False)
+    assert gemm_mod.bf16x3_status() is None
+    monkeypatch.setenv(gemm_mod.BF16X3_ENV, "16")
+    monkeypatch.setenv(native_mod.EMULATE_ENV, "0")
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    line = gemm_mod.bf16x3_status()
+    assert line is not None and "PLINTH_CPU_FP32_BF16X3=16 asked for, but fp32 panels only (no AVX512-BF16" in line
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", native_mod.native_cpu_flags)
+    monkeypatch.setattr(gemm_mod, "choose_variant", lambda: (native_mod.EMULATED_AVX512, "emulated"))
+    monkeypatch.setenv(native_mod.EMULATE_ENV, "1")
+    assert gemm_mod.bf16x3_status() == (
+        "fp32 models: products of 16 rows or more as three bf16 products on AMX tiles (PLINTH_CPU_FP32_BF16X3)"
+    )
+    monkeypatch.setenv(gemm_mod.BF16X3_ENV, "lots")
+    assert gemm_mod.bf16x3_status() == "PLINTH_CPU_FP32_BF16X3='lots' is not a row count: an fp32 model will not start"
