@@ -110,7 +110,8 @@ int plinth_abi_version(void) { return PLINTH_ABI_VERSION; }
 
 /* Which ISA this build targets (native.py builds one library per variant and loads the one the CPU
  * runs): 3 with AVX-512 F/BW/VL/DQ and VNNI (its int16 dot products run on 512-bit registers), 2 for
- * AVX2/FMA/F16C only. Everything else is the same code in both builds. */
+ * AVX2/FMA/F16C only, 103 for the AVX-512 build emulated (-DPLINTH_EMULATE: emulate.h). Everything else
+ * is the same code in every build. */
 #if defined(PLINTH_EMULATE) || (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
                                 defined(__AVX512DQ__) && defined(__AVX512VNNI__))
 #define PLINTH_AVX512 1
