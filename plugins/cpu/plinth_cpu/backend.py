@@ -34,8 +34,17 @@ from plinth_cpu.gemm import CpuGemm, NativeGemm, bf16_pairs_status, bf16x3_statu
 from plinth_cpu.host_memory import huge_page_tensor
 from plinth_cpu.lora import CpuLoRA
 from plinth_cpu.moe import CpuMoE, MoEScratch
-from plinth_cpu.native import QUANT_FORMATS, NativeGraph, NativeKernels, native, native_loaded, native_status
+from plinth_cpu.native import (
+    QUANT_FORMATS,
+    NativeGraph,
+    NativeKernels,
+    emulating,
+    native,
+    native_loaded,
+    native_status,
+)
 from plinth_cpu.ops import CpuOps, TorchOps
+from plinth_cpu.preflight import build_check
 
 try:
     __version__ = metadata.version("plinth-cpu")
@@ -230,7 +239,11 @@ class CpuBackend(Backend):
         else:
             score = SCALAR_SCORE
             reasons.append("no SIMD found: usable, but slow")
-        return Probe(score=score, reasons=tuple(reasons), device_name=model)
+        try:  # the AVX-512 build emulated (a test build): a certificate made so says "emulation"
+            emulated = emulating() and build_check()[0] is not None
+        except ValueError:  # named by the native kernels' line
+            emulated = False
+        return Probe(score=score, reasons=tuple(reasons), device_name=model, emulation=emulated)
 
     def capabilities(self) -> Capabilities:
         """Dtypes, head sizes, block sizes and features this backend's kernels run (the quantized

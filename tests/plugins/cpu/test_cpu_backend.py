@@ -65,8 +65,9 @@ def test_version_comes_from_package_metadata() -> None:
     assert __version__.count(".") >= 2
 
 
-def test_probe_scores_above_reference_and_explains() -> None:
+def test_probe_scores_above_reference_and_explains(monkeypatch: pytest.MonkeyPatch) -> None:
     """On this host: a usable score above the oracle's, with model, ISA and threads in the reasons."""
+    monkeypatch.delenv("PLINTH_CPU_EMULATE", raising=False)
     probe = CpuBackend().probe()
     assert probe.score > REFERENCE_SCORE
     assert probe.score > ReferenceBackend().probe().score
@@ -74,6 +75,18 @@ def test_probe_scores_above_reference_and_explains() -> None:
     assert "CPU:" in text and "ISA features:" in text
     assert f"{torch.get_num_threads()} threads" in text
     assert probe.device_name and not probe.emulation
+
+
+def test_probe_says_emulation_where_the_avx512_build_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PLINTH_CPU_EMULATE=1 where the native kernels can be built: the probe's emulation flag is set, so a
+    certificate made so says "emulation", never hardware; a bad value leaves it unset (its line names it)."""
+    from plinth_cpu.preflight import build_check
+
+    monkeypatch.setenv("PLINTH_CPU_EMULATE", "1")
+    assert CpuBackend().probe().emulation == (build_check()[0] is not None)
+    monkeypatch.setenv("PLINTH_CPU_EMULATE", "maybe")
+    probe = CpuBackend().probe()
+    assert not probe.emulation and any("PLINTH_CPU_EMULATE='maybe'" in r for r in probe.reasons)
 
 
 def test_probe_reads_x86_and_arm_features(monkeypatch: pytest.MonkeyPatch) -> None:
