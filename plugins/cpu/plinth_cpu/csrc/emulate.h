@@ -18,6 +18,12 @@
 #define PLINTH_EMULATE_H
 
 #define SIMDE_ENABLE_NATIVE_ALIASES
+/* immediates the compiler folds only after unrolling (a shift by 4 * s in an unrolled loop): clang checks
+ * SIMDe's immediate arguments before that, gcc after */
+#define SIMDE_NO_CHECK_IMMEDIATE_CONSTANT
+#if defined(__clang__)
+#define __mmask64 __mmask64 /* clang's <immintrin.h>, which SIMDe includes, has it: SIMDe must not typedef it again */
+#endif
 #include <simde/x86/avx512.h>
 #include <stdint.h>
 #include <string.h>
