@@ -806,7 +806,10 @@ def native_status() -> str:
         variant, why = choose_variant()
     except ValueError as e:
         return f"native kernels refused: {e}"
-    path = library_path(compiler, variant)
+    try:
+        path = library_path(compiler, variant)
+    except NativeBuildError as e:  # the emulated build without SIMDe's headers
+        return f"native kernels refused: {e}"
     if path.exists():
         return f"native kernels: {variant.label} ({compiler}): {why}; built ({path}), loaded on first kernel request"
     return (

@@ -1189,6 +1189,29 @@ def test_the_emulated_build_is_chosen_on_any_avx2_host_where_asked(monkeypatch: 
     assert native_mod.native_cpu_flags() == native_mod._cpu_flags()
 
 
+def test_the_emulated_build_without_simde_is_named_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PLINTH_CPU_EMULATE=1 without the simde-py package: the status line says what to install (the probe
+    never raises), and building says the same."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_simde(name: str, *args: object, **kwargs: object) -> object:
+        if name == "simde_py":
+            raise ImportError("No module named 'simde_py'")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setenv(native_mod.EMULATE_ENV, "1")
+    monkeypatch.delenv(native_mod.ISA_ENV, raising=False)
+    monkeypatch.setattr(native_mod, "native_loaded", lambda: False)
+    monkeypatch.setattr(builtins, "__import__", no_simde)
+    if native_mod.build_check()[0] is None:
+        pytest.skip(native_mod.build_check()[1])
+    assert "pip install simde-py" in native_status()
+    with pytest.raises(native_mod.NativeBuildError, match="pip install simde-py"):
+        native_mod.build("cc", native_mod.EMULATED_AVX512)
+
+
 #: Instructions of the AVX-512 and AMX extensions as objdump writes them (zmm and mask registers, the
 #: AMX tile instructions, the bf16 and VNNI ones that have 256-bit forms).
 _EMULATED_AWAY = ("%zmm", "%k1", "%k2", "%k3", "%k4", "%k5", "%k6", "%k7", "tileloadd", "tdpbf16ps", "ldtilecfg",
