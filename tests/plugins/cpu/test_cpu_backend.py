@@ -80,11 +80,13 @@ def test_probe_scores_above_reference_and_explains(monkeypatch: pytest.MonkeyPat
 def test_probe_says_emulation_where_the_avx512_build_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
     """PLINTH_CPU_EMULATE=1 where the native kernels can be built: the probe's emulation flag is set, so a
     certificate made so says "emulation", never hardware; a bad value leaves it unset (its line names it)."""
+    from plinth_cpu import native as native_mod
     from plinth_cpu.preflight import build_check
 
     monkeypatch.setenv("PLINTH_CPU_EMULATE", "1")
     assert CpuBackend().probe().emulation == (build_check()[0] is not None)
     monkeypatch.setenv("PLINTH_CPU_EMULATE", "maybe")
+    monkeypatch.setattr(native_mod, "native_loaded", lambda: False)  # the line a fresh process's probe gives
     probe = CpuBackend().probe()
     assert not probe.emulation and any("PLINTH_CPU_EMULATE='maybe'" in r for r in probe.reasons)
 
