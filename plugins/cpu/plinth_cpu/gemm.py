@@ -591,7 +591,7 @@ class NativeGemm(CpuGemm):
         panels = self.native.pack_f32(w)  # [ceil(N/8), K, 8]
         data = {"panels": panels}
         if self.bf16x3_min_rows and prepared.in_features % 32 == 0:
-            data["bf16x3"] = self.native.pack_bf16x3(w.to(torch.float32).contiguous())
+            data["bf16x3"] = self.native.pack_bf16x3(w)  # fp32 and contiguous, as prepared
         return LinearWeight(prepared.out_features, prepared.in_features, weight=None, bias=prepared.bias,
                             format=PANELS, data=data)  # fmt: skip
 

@@ -101,10 +101,15 @@ def emulating() -> bool:
 
 
 #: The AVX-512 variant built with :data:`EMULATE_ENV`: its paths (AVX-512, AVX512-BF16, AMX tiles) run on
-#: any CPU with AVX2 (the flags are filled in when it is built: SIMDe's include path is found then).
+#: any CPU with AVX2 (its compiler flags: :func:`_build_flags`, which finds SIMDe's include path).
 EMULATED_AVX512 = IsaVariant(
     AVX512.name, f"{AVX512.label} + AVX512-BF16 + AMX-BF16, emulated (a test build)", (), REQUIRED_CPU_FLAGS, 103
 )
+
+
+def _build_flags(variant: IsaVariant) -> tuple[str, ...]:
+    """The ``-m``/``-D``/``-I`` flags ``variant`` is compiled with (the emulated build's found here)."""
+    return _emulation_flags() if variant is EMULATED_AVX512 else variant.flags
 
 
 def variants() -> tuple[IsaVariant, ...]:
@@ -244,8 +249,7 @@ def cache_dir() -> Path:
 def library_path(compiler: str, variant: IsaVariant = AVX2) -> Path:
     """The cached library's path for this source, ``variant``'s flags and ``compiler``."""
     sources = SOURCE.read_bytes() + HEADER.read_bytes() + EMULATION_HEADER.read_bytes()
-    flags = _emulation_flags() if variant is EMULATED_AVX512 else variant.flags
-    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS, *flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(sources + " ".join((compiler, *FLAGS, *_build_flags(variant))).encode()).hexdigest()[:16]
     suffix = "_emulated" if variant is EMULATED_AVX512 else ""
     return cache_dir() / "cpu-kernels" / key / f"libplinth_cpu_{variant.name}{suffix}.so"
 
@@ -260,8 +264,7 @@ def build(compiler: str, variant: IsaVariant = AVX2) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    flags = _emulation_flags() if variant is EMULATED_AVX512 else variant.flags
-    cmd = [compiler, *FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [compiler, *FLAGS, *_build_flags(variant), str(SOURCE), "-o", tmp, "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
