@@ -131,6 +131,10 @@ API    adds / changes
        returning ``{variable: value}``, set at ``import plinth`` where unset, before torch starts:
        the cpu backend asks for ``OMP_WAIT_POLICY=PASSIVE`` where its native kernels run; see
        :mod:`plinth.process_env`; default: nothing asked)
+1.16   fp8 KV caches: the dtype name ``float8_e4m3fn`` (torch's, 1 byte a value) in
+       ``Capabilities.kv_cache_dtypes`` and ``EngineConfig.kv_cache_dtype`` (``fp8`` its alias at
+       the command line); K/V are stored as ``Tensor.to`` rounds them (to nearest even, saturating
+       at +-448: no scale), read widened exactly; a KV-cache dtype only, never a compute dtype
 =====  ===========================================================================================
 """
 
@@ -148,7 +152,7 @@ if TYPE_CHECKING:
 PROJECT_NAME = "plinth.backends"
 
 #: ``(major, minor)``: a plugin written for another major is refused; minors only add.
-PLUGIN_API_VERSION: tuple[int, int] = (1, 15)
+PLUGIN_API_VERSION: tuple[int, int] = (1, 16)
 
 #: One line per minor: what it added or changed (the module docstring's table, as data, for the
 #: docs, the template and ``plinth backends --verbose``). The last key is :data:`PLUGIN_API_VERSION`.

@@ -81,6 +81,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    # a KV-cache dtype only (1.16): 1 byte a value, torch's rounding (to nearest even, saturating at +-448)
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from plinth.platform.backend import AttentionKernels, AttentionMetadata, AttentionSpec, KVCacheLayout
-from plinth_cpu.native import ELEMENT_TYPES, NativeKernels
+from plinth_cpu.native import CACHE_TYPES, ELEMENT_TYPES, NativeKernels
 
 #: The cache layout these kernels read and write: [2, num_blocks, Hkv, block_size, D].
 CPU_KV_LAYOUT = KVCacheLayout(dims=("kv", "num_blocks", "num_kv_heads", "block_size", "head_size"))
@@ -263,7 +263,9 @@ class CpuAttention(AttentionKernels):
         if seq is not None:
             stale = torch.arange(S, device=dev) >= seq[:, None, None]  # [G, 1, S]
             stale_rows = stale.expand(G, num_kv_heads, S).flatten().nonzero().squeeze(1)
-            for rows in out.view(len(halves), G * num_kv_heads * S, head_size):
+            # an fp8 cache through its bytes (torch has no fp8 index_fill_; all-zero bits are +0.0)
+            fill = out.view(torch.uint8) if out.dtype.itemsize == 1 else out
+            for rows in fill.view(len(halves), G * num_kv_heads * S, head_size):
                 rows.index_fill_(0, stale_rows, 0)  # only the padding rows are written
         if acc != kv_cache.dtype:  # a half-precision cache: upcast once, into a second buffer
             out = self._workspace.take("upcast", shape, acc, dev).copy_(out)
@@ -461,14 +463,16 @@ def _dense_heads(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-#: KV cache dtypes the native kernels read and write (a 16-bit cache: widened exactly as it is read,
-#: rounded as torch rounds as it is written).
-NATIVE_KV_CACHE_DTYPES: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in ELEMENT_TYPES}
+#: Query (compute) dtypes the native attention takes.
+NATIVE_DTYPES: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in ELEMENT_TYPES}
+#: KV cache dtypes the native kernels read and write (a 16-bit or fp8 cache: widened exactly as it is
+#: read, rounded as torch rounds as it is written).
+NATIVE_KV_CACHE_DTYPES: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in CACHE_TYPES}
 
 
 class NativeAttention(CpuAttention):
     """:class:`CpuAttention` with the native kernels, registered for fp32, bf16 and fp16 specs over an
-    fp32, bf16 or fp16 cache whose head size is a multiple of 8; operands the kernels do not take
+    fp32, bf16, fp16 or fp8 (e4m3fn) cache whose head size is a multiple of 8; operands the kernels do not take
     (another dtype, a strided cache) go to torch. A 16-bit model's queries and keys/values are
     widened to fp32 by native calls (exactly), and the fp32 output rounded once to the model's dtype:
     every step of a 16-bit model records in a step graph like an fp32 one."""
@@ -479,10 +483,10 @@ class NativeAttention(CpuAttention):
 
     @staticmethod
     def covers(spec: AttentionSpec) -> bool:
-        """True for the specs the native kernels run: fp32, bf16 or fp16 queries over an fp32, bf16
-        or fp16 cache, D % 8 == 0."""
+        """True for the specs the native kernels run: fp32, bf16 or fp16 queries over an fp32, bf16,
+        fp16 or fp8 (e4m3fn) cache, D % 8 == 0."""
         return (
-            spec.dtype in NATIVE_KV_CACHE_DTYPES
+            spec.dtype in NATIVE_DTYPES
             and spec.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
             and spec.head_size % 8 == 0
         )
@@ -504,18 +508,18 @@ class NativeAttention(CpuAttention):
         return kv_cache.dtype in NATIVE_KV_CACHE_DTYPES.values() and kv_cache.is_contiguous()
 
     def _native_for(self, query: torch.Tensor, kv_cache: torch.Tensor) -> NativeKernels | None:
-        """The native kernels for fp32 queries over a contiguous fp32, bf16 or fp16 cache; None for the rest."""
+        """The native kernels for fp32 queries over a contiguous cache they read; None for the rest."""
         return self._native if query.dtype == torch.float32 and self._fits_cache(kv_cache) else None
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """One native call for fp32 K/V with dense heads into a contiguous fp32, bf16 or fp16 cache
+        """One native call for fp32 K/V with dense heads into a contiguous fp32, bf16, fp16 or fp8 cache
         (rounded as ``Tensor.to`` rounds); bf16/fp16 K/V are widened to fp32 by native calls first
         (exactly: into a cache of their own dtype they are stored as they were); torch otherwise."""
         if (
             key.dtype == value.dtype
-            and key.dtype in NATIVE_KV_CACHE_DTYPES.values()
+            and key.dtype in NATIVE_DTYPES.values()
             and _dense_heads(key)
             and _dense_heads(value)
             and self._fits_cache(kv_cache)

@@ -185,8 +185,9 @@ class CpuBackend(Backend):
     # 1.4: set_num_threads, read_probes, prefault, SmallOps.argmax; 1.8: fused MoE; 1.9: apply_token_bitmask;
     # 1.10: communicator(groups=) (a shared-memory all-reduce on one host); 1.11: batched LoRA;
     # 1.14: GemmKernels.stored_dtypes (16-bit checkpoint weights kept in 16-bit panels);
-    # 1.15: a plinth.process_env entry point (OMP_WAIT_POLICY=PASSIVE where the native kernels run)
-    api_version = (1, 15)
+    # 1.15: a plinth.process_env entry point (OMP_WAIT_POLICY=PASSIVE where the native kernels run);
+    # 1.16: fp8 (e4m3fn) KV caches
+    api_version = (1, 16)
     description = "vectorised torch kernels on the host CPU (x86-64 AVX2/AVX-512/AMX, Arm NEON)"
 
     def __init__(self) -> None:
@@ -198,7 +199,8 @@ class CpuBackend(Backend):
         dtypes = frozenset({"float32", "float64", "bfloat16", "float16"})
         return Capabilities(
             dtypes=dtypes,
-            kv_cache_dtypes=dtypes,
+            # fp8 (e4m3fn) caches: a quarter of fp32's bytes a decode step reads, opt-in (--kv-cache-dtype)
+            kv_cache_dtypes=dtypes | {"float8_e4m3fn"},
             # torch ops take any head size; multiples of 8 keep rows SIMD-aligned. Kept wide on
             # purpose: with a head-major cache the core cannot fall back to the reference kernel.
             head_sizes=frozenset(range(16, 513, 8)),

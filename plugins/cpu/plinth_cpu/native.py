@@ -160,14 +160,17 @@ ACTIVATIONS: dict[str, int] = {"fp32": 0, "int8": 1, "int16": 2}
 PANEL16_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float16: 2}
 #: The element kinds the kernels read and write (``W_F32``, ``W_BF16``, ``W_F16`` in ``kernels.c``).
 ELEMENT_TYPES: dict[torch.dtype, int] = {torch.float32: 0, **PANEL16_DTYPES}
+#: The KV-cache element kinds: those and fp8 e4m3fn (``W_F8``: a quarter of fp32's bytes, rounded as
+#: torch casts, saturating at +-448).
+CACHE_TYPES: dict[torch.dtype, int] = {**ELEMENT_TYPES, torch.float8_e4m3fn: 3}
 
 
 def _cache_kind(cache: torch.Tensor) -> int:
     """The ``kt`` code of a KV cache's element type; ValueError for a dtype the kernels do not read."""
-    kind = ELEMENT_TYPES.get(cache.dtype)
+    kind = CACHE_TYPES.get(cache.dtype)
     if kind is None:
         raise ValueError(
-            f"the native attention kernels take a {sorted(map(str, ELEMENT_TYPES))} KV cache, not {cache.dtype}"
+            f"the native attention kernels take a {sorted(map(str, CACHE_TYPES))} KV cache, not {cache.dtype}"
         )
     return kind
 

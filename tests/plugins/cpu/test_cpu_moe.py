@@ -119,7 +119,7 @@ def test_quantized_experts_keep_their_blocks(t: int) -> None:
 
 def test_declares_the_op_and_refuses_what_it_does_not() -> None:
     backend = CpuBackend()
-    assert backend.api_version == (1, 15)
+    assert backend.api_version == (1, 16)
     caps = backend.capabilities().fused_moe
     assert caps is not None and {"float32", "bfloat16"} <= caps.dtypes and caps.activations == {"silu", "gelu_tanh"}
     with pytest.raises(NotSupported, match="q5_k"):

@@ -547,16 +547,18 @@ def _decode_batch(  # noqa: ANN202
     return cache, meta
 
 
-#: KV cache dtypes the native attention reads: fp32, and 16-bit caches widened as they are loaded.
+#: KV cache dtypes the native attention reads: fp32, and 16-bit and fp8 caches widened as they are loaded.
 CACHE_DTYPES = pytest.mark.parametrize(
-    "cache_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32-cache", "bf16-cache", "fp16-cache"]
+    "cache_dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn],
+    ids=["fp32-cache", "bf16-cache", "fp16-cache", "fp8-cache"],
 )
 
 
 def _same_as_fp32_cache(nk: NativeKernels, spec: AttentionSpec, q: torch.Tensor, cache: torch.Tensor,
                         meta: AttentionMetadata, got: torch.Tensor, scale: float = 0.17) -> None:  # fmt: skip
-    """A 16-bit cache's values are fp32 values, widened exactly on load into the fp32 cache's FMA
-    chains: the native kernels give the fp32 copy's result bit for bit."""
+    """A 16-bit or fp8 cache's values are fp32 values, widened exactly on load into the fp32 cache's
+    FMA chains: the native kernels give the fp32 copy's result bit for bit."""
     if cache.dtype != torch.float32:
         fp32 = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache.float(), meta, scale)
         assert torch.equal(got, fp32)
@@ -753,18 +755,24 @@ def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"]
+)
 @pytest.mark.parametrize("head_size", [16, 12])  # 12: the scalar tail (the native path takes multiples of 8)
 def test_native_write_kv_rounds_as_torch(nk: NativeKernels, dtype: torch.dtype, head_size: int) -> None:
-    """Into a 16-bit cache the kernel stores ``value.to(cache dtype)`` bit for bit: round to nearest
-    even (ties included), overflow to infinity, subnormals kept; a NaN stays a NaN."""
+    """Into a 16-bit or fp8 cache the kernel stores ``value.to(cache dtype)`` bit for bit: round to
+    nearest even (ties included), overflow to infinity (fp8 e4m3fn, which has none: saturated to
+    +-448), subnormals kept; a NaN stays a NaN."""
     gen = torch.Generator().manual_seed(6)
     T, Hk, D = 7, 2, head_size
     kv = torch.randn(T, 2 * Hk * D, generator=gen) * torch.logspace(-8, 5, 2 * Hk * D)  # fp16 over/underflows
     specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 65520.0, 1e-7, 3e38, -3.4e38])
     kv[0, : len(specials)] = specials
+    fp8_edges = torch.tensor([448.0, 449.0, 463.9, 464.0, -500.0, 2**-6, 2**-10, 3 * 2**-11, -(2**-7), 1.0625, 1.1875])
+    kv[0, len(specials) : len(specials) + len(fp8_edges)] = fp8_edges  # saturation, subnormals, ties
+    bits = torch.int8 if dtype.itemsize == 1 else torch.int16
     below = torch.randn(2, 2 * Hk * D, generator=gen).to(dtype)
-    above = (below.view(torch.int16) + 1).view(dtype)  # the next 16-bit value away from zero
+    above = (below.view(bits) + 1).view(dtype)  # the next value away from zero
     kv[1:3] = (below.float() + above.float()) / 2  # exact ties: midpoints of neighbours (exact in fp32)
     k, v = kv[:, : Hk * D].view(T, Hk, D), kv[:, Hk * D :].view(T, Hk, D)  # strided views, as the model passes
     slots = torch.tensor([3, 4, -1, 17, 0, 9, 22])
@@ -777,7 +785,7 @@ def test_native_write_kv_rounds_as_torch(nk: NativeKernels, dtype: torch.dtype, 
     # NaN: torch's vectorised bf16 cast writes 0xFFFF, its scalar one (and the kernel) 0x7FC0; both NaN
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and nan.any()
-    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]) and got[~nan].any()
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]) and got.view(bits)[~nan].any()
 
 
 @needs_native
@@ -793,8 +801,10 @@ def test_native_kernels_refuse_other_cache_dtypes(nk: NativeKernels) -> None:
 
 @needs_native
 def test_native_attention_covers_16_bit_caches() -> None:
-    """fp32, bf16 or fp16 compute over an fp32, bf16 or fp16 cache runs natively; fp64 does not."""
-    for cache_dtype in ("float32", "bfloat16", "float16"):
+    """fp32, bf16 or fp16 compute over an fp32, bf16, fp16 or fp8 cache runs natively; fp64 does not
+    (nor fp8 compute: a KV-cache dtype only)."""
+    assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float8_e4m3fn", "float8_e4m3fn"))
+    for cache_dtype in ("float32", "bfloat16", "float16", "float8_e4m3fn"):
         assert NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", cache_dtype))
     assert not NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "float32", "float64"))
     assert NativeAttention.covers(AttentionSpec(9, 3, 64, 16, "bfloat16", "bfloat16"))  # a 16-bit model too

@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 18
+#define PLINTH_ABI_VERSION 19
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {

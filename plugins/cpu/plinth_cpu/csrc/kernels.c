@@ -315,18 +315,32 @@ void plinth_read_probe(const float *x, float *out, int64_t n) {
  * bits shifted up; fp16: F16C's vcvtph2ps), exactly, since every bf16 and fp16 value is an fp32
  * value; the FMA chains are the fp32 panels', so a 16-bit panel and the fp32 panel of the same values
  * give the same sums bit for bit. `wt` is a constant wherever these are inlined. */
-enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_F8 = 3 };
+/* W_F8 (a KV cache only: torch.float8_e4m3fn, 1 sign, 4 exponent bits of bias 7, 3 mantissa bits,
+ * no infinity, NaN S.1111.111) is widened exactly through fp16: its magnitude bits shifted up 7 are
+ * the fp16 of the value / 2^8 (normal or subnormal alike), so vcvtph2ps and one multiply give it. */
 /* Bytes ahead a tile of a single row group prefetches each panel stream it reads (once per line):
  * with no row group after it to reuse a block, the weights stream straight from memory and the
  * hardware prefetcher alone kept too few lines in flight. SmolLM2-shaped stack of 30 layers, 2
  * threads, Zen 5, AVX-512 build, against none: bf16 panels 1 row +3-29%, 4 rows +25-40%; fp32
  * 4 rows +8-55%, 1 row within noise (1024 and 4096 bytes measured no better). */
 #define PANEL_PF_DIST 2048
-static inline size_t wsize(int wt) { return wt == W_F32 ? sizeof(float) : sizeof(uint16_t); }
+static inline size_t wsize(int wt) { return wt == W_F32 ? sizeof(float) : wt == W_F8 ? 1 : sizeof(uint16_t); }
 /* the element i of a panel buffer of kind wt */
 static inline const void *wat(const void *P, int64_t i, int wt) { return (const char *)P + i * (int64_t)wsize(wt); }
+/* 8 fp8 (e4m3fn) values, the low 8 bytes of b, as fp32 (NaN where the byte is one: S.1111.111 widens
+ * to +-480, which no fp8 value is) */
+static inline __attribute__((always_inline)) __m256 f8_widen8(__m128i b) {
+    __m128i w = _mm_cvtepu8_epi16(b);
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), f), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(f, _mm256_set1_ps(NAN), nan);
+}
 /* 8 weights from element i */
 static inline __attribute__((always_inline)) __m256 load8w(const void *P, int64_t i, int wt) {
+    if (wt == W_F8) return f8_widen8(_mm_loadl_epi64((const __m128i *)((const uint8_t *)P + i)));
     if (wt == W_BF16)
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)P + i))), 16));
@@ -336,6 +350,14 @@ static inline __attribute__((always_inline)) __m256 load8w(const void *P, int64_
 #if PLINTH_AVX512
 /* 16 weights from element i */
 static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64_t i, int wt) {
+    if (wt == W_F8) {
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)P + i)));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+        __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+        __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(480.0f), _CMP_EQ_OQ); /* as f8_widen8 */
+        return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(NAN));
+    }
     if (wt == W_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)P + i))), 16));
@@ -393,9 +415,31 @@ static inline __attribute__((always_inline)) __m128i f32_to_bf16_8(__m256 v) {
     r = _mm256_srli_epi32(r, 16); /* 0..0xFFFF: unsigned saturation packs it as is */
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
-/* 8 fp32 values into element i of a buffer of kind wt (W_F32, W_BF16 or W_F16) */
+/* Rounding to fp8 (e4m3fn), as torch casts: to nearest, ties to even, beyond the largest finite
+ * value (448) and infinities saturated to +-448, a NaN to S.1111.111 (its sign kept). 8 values into
+ * the low 8 bytes. */
+static inline __attribute__((always_inline)) __m128i f32_to_f8_8(__m256 v) {
+    __m256i sign = _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32((int)0x80000000u)), 24);
+    __m256 a = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), _mm256_set1_ps(448.0f)); /* NaN -> 448 */
+    __m256i u = _mm256_castps_si256(a);
+    /* normal (|v| >= 2^-6): the mantissa rounded to 3 bits, the exponent rebiased from 127 to 7 */
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1)),
+                                                     _mm256_set1_epi32(0x7FFFF)));
+    __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(120 << 3));
+    /* subnormal: |v| in steps of 2^-9 (8 of them make the smallest normal, code 8) */
+    __m256i sub = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    code = _mm256_blendv_epi8(code, sub, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ)));
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    code = _mm256_or_si256(code, sign);
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    return _mm_packus_epi16(w, w);
+}
+/* 8 fp32 values into element i of a buffer of kind wt (W_F32, W_BF16, W_F16 or W_F8) */
 static inline __attribute__((always_inline)) void store8w(void *P, int64_t i, __m256 v, int wt) {
-    if (wt == W_BF16)
+    if (wt == W_F8)
+        _mm_storel_epi64((__m128i *)((uint8_t *)P + i), f32_to_f8_8(v));
+    else if (wt == W_BF16)
         _mm_storeu_si128((__m128i *)((uint16_t *)P + i), f32_to_bf16_8(v));
     else if (wt == W_F16)
         _mm_storeu_si128((__m128i *)((uint16_t *)P + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -420,6 +464,11 @@ static inline __attribute__((always_inline)) void store16w(void *P, int64_t i, _
 #endif
 /* one value of kind wt, as fp32 / stored */
 static inline float load1w(const void *P, int64_t i, int wt) {
+    if (wt == W_F8) {
+        float r[8];
+        _mm256_storeu_ps(r, f8_widen8(_mm_cvtsi32_si128(((const uint8_t *)P)[i])));
+        return r[0];
+    }
     if (wt == W_BF16) {
         uint32_t u = (uint32_t)((const uint16_t *)P)[i] << 16;
         float f;
@@ -430,7 +479,9 @@ static inline float load1w(const void *P, int64_t i, int wt) {
     return ((const float *)P)[i];
 }
 static inline void store1w(void *P, int64_t i, float v, int wt) {
-    if (wt == W_BF16)
+    if (wt == W_F8)
+        ((uint8_t *)P)[i] = (uint8_t)_mm_cvtsi128_si32(f32_to_f8_8(_mm256_set1_ps(v)));
+    else if (wt == W_BF16)
         ((uint16_t *)P)[i] = f32_to_bf16(v);
     else if (wt == W_F16)
         ((uint16_t *)P)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -2872,7 +2923,7 @@ void plinth_rotary(int dt, const void *x, int64_t sx, void *out, const int64_t *
 
 /*
  * Store k and v ([T, Hk, D] fp32, row strides sk and sv floats between tokens, heads dense) into the
- * head-major cache [2, num_blocks, Hk, bs, D] of element kind kt (W_F32, W_BF16 or W_F16: rounded
+ * head-major cache [2, num_blocks, Hk, bs, D] of element kind kt (W_F32, W_BF16, W_F16 or W_F8: rounded
  * as torch rounds, so the cache holds k.to(cache dtype) bit for bit) at slot_mapping [T]; slots < 0
  * are skipped.
  */
@@ -2906,13 +2957,14 @@ void plinth_write_kv(int kt, const float *k, int64_t sk, const float *v, int64_t
                      const int64_t *slot_mapping, int64_t T, int64_t Hk, int64_t D, int64_t num_blocks, int64_t bs) {
     if (kt == W_BF16) write_kv_w(k, sk, v, sv, cache, slot_mapping, T, Hk, D, num_blocks, bs, W_BF16);
     else if (kt == W_F16) write_kv_w(k, sk, v, sv, cache, slot_mapping, T, Hk, D, num_blocks, bs, W_F16);
+    else if (kt == W_F8) write_kv_w(k, sk, v, sv, cache, slot_mapping, T, Hk, D, num_blocks, bs, W_F8);
     else write_kv_w(k, sk, v, sv, cache, slot_mapping, T, Hk, D, num_blocks, bs, W_F32);
 }
 
 /* ---------------------------------------------------------------------------------------------
  * Decode attention straight over the paged, head-major cache [2, num_blocks, Hk, bs, D] of element
- * kind kt (W_F32, or W_BF16 / W_F16: half the bytes a step reads, each K and V element widened to
- * fp32 exactly as it is loaded, so the sums are the fp32 cache's of the same values bit for bit).
+ * kind kt (W_F32, or W_BF16 / W_F16: half the bytes a step reads, W_F8 a quarter; each K and V element
+ * widened to fp32 exactly as it is loaded, so the sums are the fp32 cache's of the same values bit for bit).
  * q [B, H, D] fp32 (row stride sq floats between sequences, heads dense), out [B, H, D] fp32
  * contiguous. One item per (sequence, kv head): its group of query heads scores every visible key
  * once, then sums V. window > 0 keeps only the last `window` positions; soft_cap > 0 applies
@@ -3364,6 +3416,9 @@ static void decode_attention_range_bf16(void *p, int64_t begin, int64_t end) {
 static void decode_attention_range_f16(void *p, int64_t begin, int64_t end) {
     decode_attention_range_w(p, begin, end, W_F16);
 }
+static void decode_attention_range_f8(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_w(p, begin, end, W_F8);
+}
 
 /* Returns 0, or -1 when out of memory. Every seq_len must be >= 1. */
 int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cache, const int32_t *block_tables,
@@ -3380,6 +3435,7 @@ int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cach
     int64_t grain = 65536 / per_item + 1;
     void (*range)(void *, int64_t, int64_t) = kt == W_BF16  ? decode_attention_range_bf16
                                                 : kt == W_F16 ? decode_attention_range_f16
+                                                : kt == W_F8  ? decode_attention_range_f8
                                                               : decode_attention_range;
 #if PLINTH_AVX512 && PLINTH_AMX
     if (kt == W_BF16 && bs % 16 == 0 && D % 32 == 0 && D <= 32 * AMX_ATTN_MAX_CHUNKS && H / Hk <= 16 &&
@@ -3823,6 +3879,9 @@ static void prefill_attention_range_bf16(void *p, int64_t begin, int64_t end) {
 static void prefill_attention_range_f16(void *p, int64_t begin, int64_t end) {
     prefill_attention_range_w(p, begin, end, W_F16);
 }
+static void prefill_attention_range_f8(void *p, int64_t begin, int64_t end) {
+    prefill_attention_range_w(p, begin, end, W_F8);
+}
 #if PLINTH_AVX512 && PLINTH_AMX
 /* a bf16 cache where c->a.amx: the GEMM tiles' scores on AMX tiles (configured for the range) */
 static void prefill_attention_range_amx(void *p, int64_t begin, int64_t end) {
@@ -3859,6 +3918,7 @@ int plinth_prefill_attention(int kt, const float *q, int64_t sq, const void *cac
     int64_t per_item = (work / (tiles ? tiles : 1) + 1) * (H / Hk) * D * 2;
     void (*range)(void *, int64_t, int64_t) = kt == W_BF16  ? prefill_attention_range_bf16
                                                 : kt == W_F16 ? prefill_attention_range_f16
+                                                : kt == W_F8  ? prefill_attention_range_f8
                                                               : prefill_attention_range;
 #if PLINTH_AVX512 && PLINTH_AMX
     if (kt == W_BF16 && tile_mp && bs % FT_KEYS == 0 && D % 32 == 0 && plinth_amx_bf16(-1))
