@@ -15,6 +15,7 @@ AVX-512/AMX flags, the build and the host load.
     python benchmarks/attention.py --cache-dtype bfloat16 --threads 1 --against HEAD~1
     python benchmarks/attention.py --cases 1x4096x4096 64x200x200 4x1024x1024 8x300x8
     python benchmarks/attention.py --cache-dtype bfloat16 --bf16-queries --amx --cases 64x225x1 8x512x512
+    python benchmarks/attention.py --cache-dtype float8_e4m3fn --cases 64x2048x1   # decode from memory
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["8x512x512"], help="GxLxQ: sequences x positions x queried")
     parser.add_argument("--heads", default="9/3/64", help="query heads/kv heads/head size")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16", "float8_e4m3fn"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--against", metavar="REF", help="also time the kernels of this git revision")

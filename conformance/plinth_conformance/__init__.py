@@ -13,12 +13,12 @@ reference backend run in the same dtype as the yardstick for tolerances (see :mo
 from __future__ import annotations
 
 #: The suite's version: written into certificates, so a certificate names exactly which checks it passed.
-SUITE_VERSION = "1.9.0"
+SUITE_VERSION = "1.10.0"
 
 #: The version every case's seed is drawn from (with the case id). It moved with SUITE_VERSION up to
 #: 1.6.0, redrawing every case's data each release; a release that only adds cases keeps it (1.7.0
 #: added the grouped collectives, 1.8.0 the scale-out declarations check, 1.9.0 the stored-dtype GEMM
-#: check; all kept 1.6.0's seeds, so every other case draws what it drew).
+#: check, 1.10.0 fp8 (e4m3fn) KV caches; all kept 1.6.0's seeds, so every other case draws what it drew).
 SEED_VERSION = "1.6.0"
 
 #: Tiers in the order they build on each other.

@@ -25,14 +25,14 @@ MODEL_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
 GROUP_SIZES: tuple[int, ...] = (1, 2, 4, 5, 8)
 #: Block sizes above this are not exercised (their "long" sequences get too slow for CI).
 MAX_TESTED_BLOCK_SIZE = 256
-#: Dtypes the suite knows how to generate and compare.
-KNOWN_DTYPES: tuple[str, ...] = ("float32", "float64", "bfloat16", "float16")
+#: Dtypes the suite knows how to generate and compare (fp8 e4m3fn: a KV-cache dtype only, 1.10.0).
+KNOWN_DTYPES: tuple[str, ...] = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn")
 #: Batch shapes of one attention call (see :func:`plinth_conformance.paged.batch_lengths`).
 KINDS: tuple[str, ...] = ("prefill", "decode", "mixed", "chunked", "shared")
 #: Batch shapes past the sizes where kernels switch paths (extended tier).
 LONG_KINDS: tuple[str, ...] = ("long-decode", "long-prefill", "big-batch")
 
-_SHORT = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16"}
+_SHORT = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16", "float8_e4m3fn": "f8"}
 
 
 def case_seed(case_id: str) -> int:

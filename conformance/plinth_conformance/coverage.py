@@ -33,6 +33,7 @@ from plinth.platform.backend import AttentionSpec, Capabilities
 from plinth.platform.quant import QUANT_BLOCKS
 from plinth_conformance import cases as base
 from plinth_conformance.cases import (
+    _SHORT,
     KINDS,
     KNOWN_DTYPES,
     MANDATORY_BLOCK_SIZE,
@@ -46,8 +47,6 @@ from plinth_conformance.cases import (
     case_seed,
 )
 from plinth_conformance.moe_cases import MoECase
-
-_SHORT = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16"}
 
 #: (query heads per KV head, KV heads) past the one-axis sweep: groups above 8 (kernels that tile
 #: 8 heads), odd KV-head counts (SmolLM2: 9 heads over 3), and both at once.

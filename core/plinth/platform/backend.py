@@ -426,6 +426,8 @@ class AttentionKernels(ABC):
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=kv_caches[0].device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=kv_caches[0].device)
         for cache in kv_caches:
+            if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
+                cache = cache.view(torch.uint8)  # fp8: copied as bytes (torch has no fp8 index_copy_)
             cache.index_copy_(axis, dst, cache.index_select(axis, src))
 
 

@@ -485,11 +485,7 @@ class NativeAttention(CpuAttention):
     def covers(spec: AttentionSpec) -> bool:
         """True for the specs the native kernels run: fp32, bf16 or fp16 queries over an fp32, bf16,
         fp16 or fp8 (e4m3fn) cache, D % 8 == 0."""
-        return (
-            spec.dtype in NATIVE_DTYPES
-            and spec.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
-            and spec.head_size % 8 == 0
-        )
+        return spec.dtype in NATIVE_DTYPES and spec.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES and spec.head_size % 8 == 0
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

@@ -755,9 +755,7 @@ def test_native_write_kv_matches_torch(nk: NativeKernels) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize(
-    "dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"]
-)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("head_size", [16, 12])  # 12: the scalar tail (the native path takes multiples of 8)
 def test_native_write_kv_rounds_as_torch(nk: NativeKernels, dtype: torch.dtype, head_size: int) -> None:
     """Into a 16-bit or fp8 cache the kernel stores ``value.to(cache dtype)`` bit for bit: round to

@@ -328,15 +328,14 @@ enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_F8 = 3 };
 static inline size_t wsize(int wt) { return wt == W_F32 ? sizeof(float) : wt == W_F8 ? 1 : sizeof(uint16_t); }
 /* the element i of a panel buffer of kind wt */
 static inline const void *wat(const void *P, int64_t i, int wt) { return (const char *)P + i * (int64_t)wsize(wt); }
-/* 8 fp8 (e4m3fn) values, the low 8 bytes of b, as fp32 (NaN where the byte is one: S.1111.111 widens
- * to +-480, which no fp8 value is) */
+/* 8 fp8 (e4m3fn) values, the low 8 bytes of b, as fp32. A byte S.EEEE.MMM moved to the top of a
+ * 16-bit lane and shifted right by one (arithmetically: S lands in bits 15 and 14), bit 14 cleared,
+ * is the fp16 S.0EEEE.MMM0000000: the value / 2^8. NaN where the byte is one (S.1111.111 widens to
+ * +-480, which no fp8 value is). */
 static inline __attribute__((always_inline)) __m256 f8_widen8(__m128i b) {
-    __m128i w = _mm_cvtepu8_epi16(b);
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1), _mm_set1_epi16((short)0xBFFF));
     __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
-    __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), f), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
-    return _mm256_blendv_ps(f, _mm256_set1_ps(NAN), nan);
+    return _mm256_or_ps(f, _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), f), _mm256_set1_ps(480.0f), _CMP_EQ_OQ));
 }
 /* 8 weights from element i */
 static inline __attribute__((always_inline)) __m256 load8w(const void *P, int64_t i, int wt) {
@@ -351,11 +350,10 @@ static inline __attribute__((always_inline)) __m256 load8w(const void *P, int64_
 /* 16 weights from element i */
 static inline __attribute__((always_inline)) __m512 load16w(const void *P, int64_t i, int wt) {
     if (wt == W_F8) {
-        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)P + i)));
-        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+        __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)P + i))), 8);
+        __m256i h = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBFFF)); /* as f8_widen8 */
         __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-        __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(480.0f), _CMP_EQ_OQ); /* as f8_widen8 */
+        __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(480.0f), _CMP_EQ_OQ);
         return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(NAN));
     }
     if (wt == W_BF16)
@@ -3103,6 +3101,14 @@ static inline __attribute__((always_inline)) void pv8(const void *v, int64_t D, 
 /* Up to ATTN_ROWS consecutive query rows of one sequence are attended together: each block of 8
  * keys and each page of values is read from memory once and stays in L1 for every row and head. */
 #define ATTN_ROWS 4
+/* An fp8 cache's K and V are widened once into fp32 rows (at most WIDEN_ROWS of them at a time) that
+ * the fp32 loops then read from L1 for every query row and head of the group: widened as loaded, an
+ * element would be widened once per query head, and fp8's widening costs several operations (bf16's
+ * and fp16's one or two are left as they are). */
+#define WIDEN_ROWS 16
+static inline __attribute__((always_inline)) void widen_rows(const void *src, int64_t n, float *dst, int kt) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load8w(src, i, kt));
+}
 
 /* Attention of R <= ATTN_ROWS query rows of one sequence for the nkh kv heads kh0.. over the pages
  * of `table`: row r (positions last[0] < ... < last[R-1]) sees positions [first_r, last[r]]
@@ -3120,6 +3126,8 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
                                                                 int kt) {
     int64_t Hk = c->Hk, D = c->D, bs = c->bs, group = c->H / Hk, heads = nkh * group;
     int64_t esize = (int64_t)wsize(kt); /* bytes per cache element */
+    int rk = kt == W_F8 ? W_F32 : kt;  /* the kind the inner loops read: fp8 rows widened first */
+    float wide[kt == W_F8 ? WIDEN_ROWS * D : 1];
     const void *kcache = c->cache, *vcache = wat(c->cache, c->num_blocks * Hk * bs * D, kt);
     int64_t first[ATTN_ROWS];
     for (int64_t r = 0; r < R; r++) first[r] = c->window > 0 && last[r] + 1 > c->window ? last[r] + 1 - c->window : 0;
@@ -3142,10 +3150,11 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
             }
             for (int64_t h = 0; h < nkh; h++) {
                 const void *k8 = ROW(kcache, kh0 + h, pos);
+                if (kt == W_F8) widen_rows(k8, 8 * D, wide, kt), k8 = wide;
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t g = 0; g < group; g++) {
                         int64_t j = h * group + g;
-                        _mm256_storeu_ps(SCORES(r, j) + pos, dot8(q[r] + j * D, k8, D, &pf, kt));
+                        _mm256_storeu_ps(SCORES(r, j) + pos, dot8(q[r] + j * D, k8, D, &pf, rk));
                     }
             }
         }
@@ -3193,16 +3202,23 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
         prefetch_run(&pf, p1 < hi ? ROW(vcache, kh0, p1) : NULL, nkh * bs * D * esize);
         for (int64_t h = 0; h < nkh; h++) {
             const void *v0 = ROW(vcache, kh0 + h, p0); /* positions p0..p1 are consecutive rows of one page */
-            for (int64_t r = 0; r < R; r++) {
-                int64_t a = first[r] > p0 ? first[r] : p0, e = last[r] + 1 < p1 ? last[r] + 1 : p1;
-                for (int64_t g = 0; a < e && g < group; g++) {
-                    int64_t j = h * group + g;
-                    const float *sg = SCORES(r, j) + a;
-                    const void *va = wat(v0, (a - p0) * D, kt);
-                    float *og = o[r] + j * D;
-                    int64_t d0 = 0;
-                    for (; d0 + 64 <= D; d0 += 64) pv64(wat(va, d0, kt), D, sg, e - a, og + d0, &pf, kt);
-                    for (; d0 < D; d0 += 8) pv8(wat(va, d0, kt), D, sg, e - a, og + d0, kt);
+            /* the run as one piece, or an fp8 one WIDEN_ROWS widened rows at a time (pv64 and pv8 add
+             * to the output as they go, so the pieces sum what the whole run sums, in the same order) */
+            for (int64_t s0 = p0; s0 < p1; s0 += kt == W_F8 ? WIDEN_ROWS : p1 - p0) {
+                int64_t s1 = kt == W_F8 && s0 + WIDEN_ROWS < p1 ? s0 + WIDEN_ROWS : p1;
+                const void *vs = wat(v0, (s0 - p0) * D, kt);
+                if (kt == W_F8) widen_rows(vs, (s1 - s0) * D, wide, kt), vs = wide;
+                for (int64_t r = 0; r < R; r++) {
+                    int64_t a = first[r] > s0 ? first[r] : s0, e = last[r] + 1 < s1 ? last[r] + 1 : s1;
+                    for (int64_t g = 0; a < e && g < group; g++) {
+                        int64_t j = h * group + g;
+                        const float *sg = SCORES(r, j) + a;
+                        const void *va = wat(vs, (a - s0) * D, rk);
+                        float *og = o[r] + j * D;
+                        int64_t d0 = 0;
+                        for (; d0 + 64 <= D; d0 += 64) pv64(wat(va, d0, rk), D, sg, e - a, og + d0, &pf, rk);
+                        for (; d0 < D; d0 += 8) pv8(wat(va, d0, rk), D, sg, e - a, og + d0, rk);
+                    }
                 }
             }
         }

@@ -243,6 +243,32 @@ def test_kv_cache_dtype_option(folder: Path) -> None:
     assert len(llm.generate(["hello"], _greedy(4))[0].outputs[0].token_ids) == 4
 
 
+def test_fp8_kv_cache_quarters_the_blocks_bytes(folder: Path) -> None:
+    """``--kv-cache-dtype fp8`` (vLLM's name) is fp8 e4m3fn: one byte a value, so a memory budget
+    holds four times the fp32 cache's blocks; the engine generates over it. A dtype the backend does
+    not declare is refused by name."""
+    import argparse
+
+    import torch
+
+    from plinth.config import EngineConfig
+    from plinth.engine_args import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for spelling in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        options = engine_options(parser.parse_args(["--kv-cache-dtype", spelling]))
+        assert EngineConfig(**options).kv_cache_dtype == "float8_e4m3fn"
+    budget = dict(model=str(folder), backend="cpu", block_size=16, kv_cache_memory_gb=0.002)
+    fp32 = LLM(**budget).engine.runner
+    fp8 = LLM(**budget, kv_cache_dtype="float8_e4m3fn")
+    assert all(kv.dtype == torch.float8_e4m3fn for kv in fp8.engine.runner.kv_caches)
+    assert fp8.engine.runner.kv_caches[0].shape[1] == 4 * fp32.kv_caches[0].shape[1]  # [2, num_blocks, ...]
+    assert len(fp8.generate(["hello"], _greedy(4))[0].outputs[0].token_ids) == 4
+    with pytest.raises(Exception, match="float8_e5m2"):
+        LLM(model=str(folder), backend="cpu", num_kv_blocks=32, kv_cache_dtype="float8_e5m2")
+
+
 def test_a_finished_sequence_leaves_no_generator_behind(llm: LLM) -> None:
     """The scheduler lists finished sequences in the next step's output and the runner drops their
     seeded generators: a request id used again with the same seed draws the same tokens afresh."""
