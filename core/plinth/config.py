@@ -24,6 +24,7 @@ class EngineConfig:
     - ``model``: HF folder or GGUF file; None: the default SmolLM2 model.
     - ``backend``: backend name; None: ``$PLINTH_BACKEND`` or the best probe.
     - ``dtype`` / ``kv_cache_dtype``: compute / KV cache dtype; None: the backend's / the compute dtype.
+      ``float8_e4m3fn`` (plugin API 1.16) is a KV-cache dtype only, where the backend declares it.
     - ``block_size`` (1-1024): tokens per KV block.
     - ``max_model_len`` (>= 2): context length; None: the model's.
     - ``max_num_batched_tokens`` (>= 16): the token budget of one step.

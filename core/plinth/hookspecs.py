@@ -187,6 +187,8 @@ API_HISTORY: dict[tuple[int, int], str] = {
     "prepare as stored)",
     (1, 15): "process environment: the plinth.process_env entry-point group (torch-free {variable: value} "
     "set at import plinth where unset, before torch starts)",
+    (1, 16): "fp8 KV caches: the dtype name float8_e4m3fn in Capabilities.kv_cache_dtypes (stored as Tensor.to "
+    "rounds, saturating at +-448, no scale; never a compute dtype)",
 }
 
 #: Every object a plugin implements, subclasses, returns or receives, by dotted name.

@@ -81,7 +81,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-    # a KV-cache dtype only (1.16): 1 byte a value, torch's rounding (to nearest even, saturating at +-448)
+    # a KV-cache dtype only: 1 byte a value, torch's rounding (to nearest even, saturating at +-448)
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
@@ -90,6 +90,8 @@ def torch_dtype(name: str) -> torch.dtype:
     """Map a dtype name used in capabilities and configs ("float32", ...) to a torch dtype.
 
     .. versionadded:: 1.0
+    .. versionchanged:: 1.16
+       ``float8_e4m3fn`` (a KV-cache dtype only).
     """
     try:
         return _DTYPES[name]

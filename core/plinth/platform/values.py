@@ -355,6 +355,12 @@ class Capabilities:
     """
 
     dtypes: frozenset[str]
+    #: The KV-cache dtypes: compute dtypes, and ``float8_e4m3fn`` (1 byte a value, stored as
+    #: ``Tensor.to`` rounds: to nearest even, saturating at +-448, with no scale), which is never a
+    #: compute dtype.
+    #:
+    #: .. versionchanged:: 1.16
+    #:    ``float8_e4m3fn``.
     kv_cache_dtypes: frozenset[str]
     head_sizes: frozenset[int]
     block_sizes: tuple[int, ...]

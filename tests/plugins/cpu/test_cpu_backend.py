@@ -121,10 +121,10 @@ def test_read_cpuinfo_missing_file_is_empty(tmp_path: Path) -> None:
 
 
 def test_capabilities() -> None:
-    """The declared envelope: dtypes, head/block sizes, features, head-major layout."""
+    """The declared envelope: dtypes (and fp8 KV caches), head/block sizes, features, head-major layout."""
     caps = CpuBackend().capabilities()
     assert {"float32", "bfloat16", "float16"} <= caps.dtypes
-    assert caps.kv_cache_dtypes == caps.dtypes
+    assert caps.kv_cache_dtypes == caps.dtypes | {"float8_e4m3fn"}  # fp8: a KV-cache dtype only
     assert {32, 64, 80, 96, 112, 128, 160, 192, 256} <= caps.head_sizes
     assert caps.block_sizes == (8, 16, 32, 64, 128)
     assert caps.max_gqa_ratio is None

@@ -824,14 +824,15 @@ def _greedy_agreed(a: CompletionOutput, b: CompletionOutput, within: float) -> i
 
 @pytest.mark.slow
 @needs_native
-@pytest.mark.parametrize("kv_cache_dtype,within", [("bfloat16", 0.1), ("float16", 0.01)])
+@pytest.mark.parametrize("kv_cache_dtype,within", [("bfloat16", 0.1), ("float16", 0.01), ("float8_e4m3fn", 0.3)])
 def test_engine_runs_native_attention_over_a_16_bit_cache(
     kv_cache_dtype: str, within: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SmolLM2 (fp32 compute, its q4_1 weights) over a 16-bit KV cache: the native kernels write and
-    read it (the torch fallbacks are made to fail), the greedy tokens are the fp32 cache's up to a
-    near tie (the first prompt's ninth token, 0.018 nats ahead, on the bf16 cache) and the log-probs stay close
-    until then (measured: bf16 0.044 nats at most, fp16 0.004)."""
+    """SmolLM2 (fp32 compute, its q4_1 weights) over a 16-bit or fp8 KV cache: the native kernels write
+    and read it (the torch fallbacks are made to fail), the greedy tokens are the fp32 cache's up to a
+    near tie (the first prompt's ninth token, 0.018 nats ahead, on the bf16 cache; on the fp8 cache
+    the first prompt's fourth, 0.044 ahead, and the second's tenth, 0.071 ahead) and the log-probs
+    stay close until then (measured: bf16 0.044 nats at most, fp16 0.004, fp8 0.22: 3 mantissa bits)."""
     from plinth import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
@@ -1037,7 +1038,9 @@ class _GraphInputs:
 
 
 @needs_native
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32-cache", "bf16-cache", "fp8-cache"]
+)
 def test_recorded_calls_replay_over_refilled_inputs(
     threads: int, recording: NativeKernels, cache_dtype: torch.dtype
 ) -> None:
