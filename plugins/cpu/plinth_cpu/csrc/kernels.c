@@ -3107,7 +3107,11 @@ static inline __attribute__((always_inline)) void pv8(const void *v, int64_t D, 
  * and fp16's one or two are left as they are). */
 #define WIDEN_ROWS 16
 static inline __attribute__((always_inline)) void widen_rows(const void *src, int64_t n, float *dst, int kt) {
-    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load8w(src, i, kt));
+    int64_t i = 0; /* n: a multiple of 8 */
+#if PLINTH_AVX512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16w(src, i, kt));
+#endif
+    for (; i < n; i += 8) _mm256_storeu_ps(dst + i, load8w(src, i, kt));
 }
 
 /* Attention of R <= ATTN_ROWS query rows of one sequence for the nkh kv heads kh0.. over the pages
