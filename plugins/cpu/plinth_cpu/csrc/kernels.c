@@ -316,9 +316,8 @@ void plinth_read_probe(const float *x, float *out, int64_t n) {
  * value; the FMA chains are the fp32 panels', so a 16-bit panel and the fp32 panel of the same values
  * give the same sums bit for bit. `wt` is a constant wherever these are inlined. */
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_F8 = 3 };
-/* W_F8 (a KV cache only: torch.float8_e4m3fn, 1 sign, 4 exponent bits of bias 7, 3 mantissa bits,
- * no infinity, NaN S.1111.111) is widened exactly through fp16: its magnitude bits shifted up 7 are
- * the fp16 of the value / 2^8 (normal or subnormal alike), so vcvtph2ps and one multiply give it. */
+/* W_F8 is a KV cache's only (torch.float8_e4m3fn: 1 sign, 4 exponent bits of bias 7, 3 mantissa bits,
+ * no infinity, NaN S.1111.111), widened exactly through fp16 (f8_widen8). */
 /* Bytes ahead a tile of a single row group prefetches each panel stream it reads (once per line):
  * with no row group after it to reuse a block, the weights stream straight from memory and the
  * hardware prefetcher alone kept too few lines in flight. SmolLM2-shaped stack of 30 layers, 2
@@ -2962,7 +2961,8 @@ void plinth_write_kv(int kt, const float *k, int64_t sk, const float *v, int64_t
 /* ---------------------------------------------------------------------------------------------
  * Decode attention straight over the paged, head-major cache [2, num_blocks, Hk, bs, D] of element
  * kind kt (W_F32, or W_BF16 / W_F16: half the bytes a step reads, W_F8 a quarter; each K and V element
- * widened to fp32 exactly as it is loaded, so the sums are the fp32 cache's of the same values bit for bit).
+ * widened to fp32 exactly, as it is loaded or for W_F8 once per kv head into L1 (attend_rows_w), so the
+ * sums are the fp32 cache's of the same values bit for bit).
  * q [B, H, D] fp32 (row stride sq floats between sequences, heads dense), out [B, H, D] fp32
  * contiguous. One item per (sequence, kv head): its group of query heads scores every visible key
  * once, then sums V. window > 0 keeps only the last `window` positions; soft_cap > 0 applies
