@@ -625,19 +625,22 @@ def _tiles_against_the_fp32_path(nk: NativeKernels, spec: AttentionSpec, q: torc
     [(None, 3, 64, 16), (None, 5, 96, 32), (21, 4, 128, 16), (None, 16, 32, 16), (None, 1, 192, 32), (9, 2, 64, 48)],
     ids=str,
 )
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
 def test_bf16_decode_attention_on_amx_tiles(
-    nk: NativeKernels, threads: int, window: int | None, group: int, head_size: int, block_size: int
+    nk: NativeKernels, threads: int, window: int | None, group: int, head_size: int, block_size: int,
+    cache_dtype: torch.dtype,
 ) -> None:  # fmt: skip
-    """A bf16 model's decode over a bf16 cache: its queries are bf16 values, so where the CPU has
-    AMX-BF16 the scores are tile products (the fp32 sums of the same exact products in another
-    order). Against the torch path, and against the fp32 path of the same library (tiles turned
-    off); queries that are not bf16 values take the fp32 path and match the fp32 cache's result
-    bit for bit, tiles on or off. Where the CPU has no tiles both runs are the fp32 path."""
+    """A bf16 model's decode over a bf16 or fp8 cache: its queries are bf16 values, so where the CPU
+    has AMX-BF16 the scores are tile products (the fp32 sums of the same exact products in another
+    order; an fp8 block's keys rounded to bf16 first, exactly). Against the torch path, and against
+    the fp32 path of the same library (tiles turned off); queries that are not bf16 values take the
+    fp32 path and match the fp32 cache's result bit for bit, tiles on or off. Where the CPU has no
+    tiles both runs are the fp32 path."""
     gen = torch.Generator().manual_seed(group * head_size)
     spec = AttentionSpec(num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=block_size,
                          sliding_window=window)  # fmt: skip
     seq_lens = [1, 9, 37, 16, 70, 17, 33, 130, 3, 21]  # 10 sequences: whole sequences as items at 2 threads
-    cache, meta = _decode_batch(seq_lens, spec, 64, gen, torch.bfloat16)
+    cache, meta = _decode_batch(seq_lens, spec, 64, gen, cache_dtype)
     q = torch.randn(len(seq_lens), spec.num_heads, head_size, generator=gen).bfloat16().float()
     attn = _tiles_against_the_fp32_path(nk, spec, q, cache, meta, "decode attention")
     q_fp32 = q + 1e-3  # no longer bf16 values: the fp32 path, tiles or not

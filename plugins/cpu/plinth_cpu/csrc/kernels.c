@@ -3296,25 +3296,26 @@ static AMX_TARGET void amx_attn_configure(void) {
 }
 
 /* o[g][d0 + 16j] (nh heads from g0, nv vectors of 16) = sum over positions first..last of
- * st[pos][g] * V[pos], then times inv[g]; each V row widened once for the nh heads */
+ * st[pos][g] * V[pos], then times inv[g]; each V row (elements of kind kt: bf16 or fp8) widened once
+ * for the nh heads */
 static inline __attribute__((always_inline)) void amx_attn_pv(int nh, int nv, const attn_ctx *c,
                                                               const int32_t *table, int64_t kh, const float *st,
                                                               int64_t a0, int64_t first, int64_t last, int64_t g0,
-                                                              int64_t d0, float *o, const float *inv) {
-    int64_t Hk = c->Hk, D = c->D, bs = c->bs;
-    const uint16_t *vc = (const uint16_t *)c->cache + c->num_blocks * Hk * bs * D;
+                                                              int64_t d0, float *o, const float *inv, int kt) {
+    int64_t Hk = c->Hk, D = c->D, bs = c->bs, esize = (int64_t)wsize(kt);
+    const void *vc = wat(c->cache, c->num_blocks * Hk * bs * D, kt);
     __m512 acc[4][4];
     for (int i = 0; i < nh; i++)
         for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t p = first; p <= last;) {
         int64_t pe = (p / bs + 1) * bs <= last + 1 ? (p / bs + 1) * bs : last + 1;
-        const uint16_t *v = vc + ((table[p / bs] * Hk + kh) * bs + p % bs) * D + d0;
-        const char *next = pe <= last ? (const char *)(vc + ((table[pe / bs] * Hk + kh) * bs) * D + d0) : NULL;
-        for (; p < pe; p++, v += D) {
-            if (next) _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0), next += D * 2;
+        const void *v = wat(vc, ((table[p / bs] * Hk + kh) * bs + p % bs) * D + d0, kt);
+        const char *next = pe <= last ? (const char *)wat(vc, ((table[pe / bs] * Hk + kh) * bs) * D + d0, kt) : NULL;
+        for (; p < pe; p++, v = wat(v, D, kt)) {
+            if (next) _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0), next += D * esize;
             const float *pr = st + (p - a0) * 16 + g0;
             __m512 vv[4];
-            for (int j = 0; j < nv; j++) vv[j] = load16w(v, j * 16, W_BF16);
+            for (int j = 0; j < nv; j++) vv[j] = load16w(v, j * 16, kt);
             for (int i = 0; i < nh; i++) {
                 __m512 w = _mm512_set1_ps(pr[i]);
                 for (int j = 0; j < nv; j++) acc[i][j] = _mm512_fmadd_ps(w, vv[j], acc[i][j]);
@@ -3328,19 +3329,23 @@ static inline __attribute__((always_inline)) void amx_attn_pv(int nh, int nv, co
 
 #define AMX_PV_HEADS(nv)                                                                                     \
     switch (nh) {                                                                                              \
-    case 4: amx_attn_pv(4, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                   \
-    case 3: amx_attn_pv(3, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                   \
-    case 2: amx_attn_pv(2, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                   \
-    default: amx_attn_pv(1, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv); break;                  \
+    case 4: amx_attn_pv(4, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv, kt); break;               \
+    case 3: amx_attn_pv(3, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv, kt); break;               \
+    case 2: amx_attn_pv(2, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv, kt); break;               \
+    default: amx_attn_pv(1, nv, c, table, kh, st, a0, first, last, g0, d0, o, inv, kt); break;              \
     }
 
 /* kv head kh of one sequence (positions first..last, its table) for the group's queries q (heads D
- * apart, all bf16 values) into o; st holds (last - first + 32) x 16 floats, 64-byte aligned; the
- * tiles are configured */
-static AMX_TARGET void amx_attend_head(const attn_ctx *c, const int32_t *table, int64_t kh, const float *q, float *o,
-                                       int64_t first, int64_t last, float *st) {
-    int64_t Hk = c->Hk, D = c->D, bs = c->bs, group = c->H / Hk, chunks = D / 32;
-    const uint16_t *kc = (const uint16_t *)c->cache;
+ * apart, all bf16 values) into o, over a cache of kind kt: bf16, whose 16 key rows a block are the A
+ * tile straight from the page, or fp8, whose rows are first rounded to bf16 (exactly: every e4m3fn
+ * value is a bf16 value) into kb; st holds (last - first + 32) x 16 floats, 64-byte aligned; the tiles
+ * are configured */
+static inline __attribute__((always_inline)) AMX_TARGET void amx_attend_head_w(const attn_ctx *c, const int32_t *table,
+                                                                    int64_t kh, const float *q, float *o,
+                                                                    int64_t first, int64_t last, float *st, int kt) {
+    int64_t Hk = c->Hk, D = c->D, bs = c->bs, group = c->H / Hk, chunks = D / 32, esize = (int64_t)wsize(kt);
+    const void *kc = c->cache;
+    uint16_t kb[kt == W_F8 ? 16 * 32 * AMX_ATTN_MAX_CHUNKS : 1] __attribute__((aligned(64)));
     uint32_t qt[AMX_ATTN_MAX_CHUNKS][16][16] __attribute__((aligned(64)));
     memset(qt, 0, sizeof(qt[0]) * (size_t)chunks);
     for (int64_t g = 0; g < group; g++)
@@ -3359,10 +3364,15 @@ static AMX_TARGET void amx_attend_head(const attn_ctx *c, const int32_t *table, 
     }
     int64_t a0 = first / 16 * 16; /* 16-position blocks never cross a page (bs % 16 == 0) */
     for (int64_t p = a0; p <= last; p += 16) {
-        const uint16_t *k = kc + ((table[p / bs] * Hk + kh) * bs + p % bs) * D;
+        const uint16_t *k = (const uint16_t *)wat(kc, ((table[p / bs] * Hk + kh) * bs + p % bs) * D, kt);
         if (p + 16 <= last) { /* the next block's keys */
-            const char *nk = (const char *)(kc + ((table[(p + 16) / bs] * Hk + kh) * bs + (p + 16) % bs) * D);
-            for (int64_t b = 0; b < 16 * D * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+            const char *nk = (const char *)wat(kc, ((table[(p + 16) / bs] * Hk + kh) * bs + (p + 16) % bs) * D, kt);
+            for (int64_t b = 0; b < 16 * D * esize; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+        }
+        if (kt == W_F8) { /* the block's 16 rows as bf16, D apart */
+            for (int64_t i = 0; i < 16 * D; i += 16)
+                _mm256_storeu_si256((__m256i *)(kb + i), (__m256i)_mm512_cvtneps_pbh(load16w(k, i, kt)));
+            k = kb;
         }
         _tile_zero(0);
         switch (chunks) {
@@ -3401,9 +3411,19 @@ static AMX_TARGET void amx_attend_head(const attn_ctx *c, const int32_t *table, 
 }
 #undef AMX_PV_HEADS
 
-/* decode items over a bf16 cache where c->amx: each kv head whose queries are bf16 values on the
- * tiles, any other by the fp32 path */
-static AMX_TARGET void decode_attention_range_amx(void *p, int64_t begin, int64_t end) {
+static AMX_TARGET void amx_attend_head(const attn_ctx *c, const int32_t *table, int64_t kh, const float *q, float *o,
+                                       int64_t first, int64_t last, float *st) {
+    amx_attend_head_w(c, table, kh, q, o, first, last, st, W_BF16);
+}
+static AMX_TARGET void amx_attend_head_f8(const attn_ctx *c, const int32_t *table, int64_t kh, const float *q,
+                                          float *o, int64_t first, int64_t last, float *st) {
+    amx_attend_head_w(c, table, kh, q, o, first, last, st, W_F8);
+}
+
+/* decode items over a bf16 or fp8 cache (kt) where c->amx: each kv head whose queries are bf16
+ * values on the tiles, any other by the fp32 path */
+static inline __attribute__((always_inline)) AMX_TARGET void decode_attention_range_amx_w(void *p, int64_t begin, int64_t end,
+                                                                               int kt) {
     attn_ctx *c = (attn_ctx *)p;
     int64_t H = c->H, Hk = c->Hk, D = c->D, group = H / Hk, nkh = c->seq_items ? Hk : 1;
     amx_attn_configure();
@@ -3419,14 +3439,22 @@ static AMX_TARGET void decode_attention_range_amx(void *p, int64_t begin, int64_
         for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
             const float *q = c->q + b * c->sq + kh * group * D;
             float *o = c->out + (b * H + kh * group) * D;
-            if (bf16_exact(q, group * D))
-                amx_attend_head(c, table, kh, q, o, first, last, scores);
+            if (!bf16_exact(q, group * D))
+                attend_rows_w(c, table, kh, 1, 1, &q, &o, &last, scores, kt);
+            else if (kt == W_F8)
+                amx_attend_head_f8(c, table, kh, q, o, first, last, scores);
             else
-                attend_rows_w(c, table, kh, 1, 1, &q, &o, &last, scores, W_BF16);
+                amx_attend_head(c, table, kh, q, o, first, last, scores);
         }
         free(scores);
     }
     _tile_release();
+}
+static AMX_TARGET void decode_attention_range_amx(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_amx_w(p, begin, end, W_BF16);
+}
+static AMX_TARGET void decode_attention_range_amx_f8(void *p, int64_t begin, int64_t end) {
+    decode_attention_range_amx_w(p, begin, end, W_F8);
 }
 #endif
 
@@ -3458,9 +3486,9 @@ int plinth_decode_attention(int kt, const float *q, int64_t sq, const void *cach
                                                 : kt == W_F8  ? decode_attention_range_f8
                                                               : decode_attention_range;
 #if PLINTH_AVX512 && PLINTH_AMX
-    if (kt == W_BF16 && bs % 16 == 0 && D % 32 == 0 && D <= 32 * AMX_ATTN_MAX_CHUNKS && H / Hk <= 16 &&
+    if ((kt == W_BF16 || kt == W_F8) && bs % 16 == 0 && D % 32 == 0 && D <= 32 * AMX_ATTN_MAX_CHUNKS && H / Hk <= 16 &&
         soft_cap <= 0.0f && plinth_amx_bf16(-1))
-        range = decode_attention_range_amx;
+        range = kt == W_F8 ? decode_attention_range_amx_f8 : decode_attention_range_amx;
 #endif
     parallel_for(range, &c, seq_items ? B : B * Hk, grain);
     return atomic_load(&c.failed) ? -1 : 0;
