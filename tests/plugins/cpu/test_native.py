@@ -610,8 +610,9 @@ def _tiles_against_the_fp32_path(nk: NativeKernels, spec: AttentionSpec, q: torc
         fp32_path = attn.forward(q, cache, meta, 0.17)
     finally:
         nk.lib.plinth_amx_bf16(int(nk.amx_bf16))  # as the library was loaded (PLINTH_CPU_AMX)
-    print(f"bf16 {what} {'on AMX tiles' if nk.amx_bf16 else 'on the fp32 path (no AMX-BF16)'}: largest "
-          f"difference from the fp32 path {(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
+    path = "on AMX tiles" if nk.amx_bf16 else "on the fp32 path (no AMX-BF16)"
+    print(f"bf16 {what} over a {cache.dtype} cache {path}: largest difference from the fp32 path "
+          f"{(tiles - fp32_path).abs().max().item():.2g}")  # fmt: skip
     torch.testing.assert_close(tiles, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tiles, fp32_path, rtol=1e-5, atol=1e-5)
     if not nk.amx_bf16:
@@ -653,18 +654,19 @@ def test_bf16_decode_attention_on_amx_tiles(
     [(None, None, 3, 64, 16), (50, None, 4, 128, 32), (None, 30.0, 1, 96, 16), (19, 20.0, 8, 32, 16)],
     ids=str,
 )
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
 def test_bf16_prefill_attention_scores_on_amx_tiles(
     nk: NativeKernels, threads: int, window: int | None, soft_cap: float | None, group: int, head_size: int,
-    block_size: int,
+    block_size: int, cache_dtype: torch.dtype,
 ) -> None:  # fmt: skip
-    """Prefill chunks long enough for the GEMM tiles, a bf16 model's queries over a bf16 cache: where
-    the CPU has AMX-BF16 each block's scores are tile products. Against the torch path and the
-    library's own fp32 path (tiles off)."""
+    """Prefill chunks long enough for the GEMM tiles, a bf16 model's queries over a bf16 or fp8 cache:
+    where the CPU has AMX-BF16 each block's scores are tile products (an fp8 block's keys rounded to
+    bf16 first, exactly). Against the torch path and the library's own fp32 path (tiles off)."""
     gen = torch.Generator().manual_seed(group * head_size + 1)
     spec = AttentionSpec(num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=block_size,
                          sliding_window=window, logits_soft_cap=soft_cap)  # fmt: skip
     seq_lens, q_lens = [40, 77, 16, 130, 9], [40, 29, 16, 100, 1]
-    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen, torch.bfloat16)
+    cache, decode_meta = _decode_batch(seq_lens, spec, 64, gen, cache_dtype)
     meta = AttentionMetadata.from_lengths(
         q_lens, seq_lens, decode_meta.block_tables, slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long)
     )

@@ -3295,6 +3295,13 @@ static AMX_TARGET void amx_attn_configure(void) {
     _tile_loadconfig(&t);
 }
 
+/* n (a multiple of 16) fp8 values at k rounded to bf16 at kb: exactly, every e4m3fn value being a
+ * bf16 value (3 of bf16's 7 mantissa bits, exponents well inside its range) */
+static inline __attribute__((always_inline)) AMX_TARGET void f8_rows_bf16(const uint8_t *k, int64_t n, uint16_t *kb) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(kb + i), (__m256i)_mm512_cvtneps_pbh(load16w(k, i, W_F8)));
+}
+
 /* o[g][d0 + 16j] (nh heads from g0, nv vectors of 16) = sum over positions first..last of
  * st[pos][g] * V[pos], then times inv[g]; each V row (elements of kind kt: bf16 or fp8) widened once
  * for the nh heads */
@@ -3369,11 +3376,7 @@ static inline __attribute__((always_inline)) AMX_TARGET void amx_attend_head_w(c
             const char *nk = (const char *)wat(kc, ((table[(p + 16) / bs] * Hk + kh) * bs + (p + 16) % bs) * D, kt);
             for (int64_t b = 0; b < 16 * D * esize; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
         }
-        if (kt == W_F8) { /* the block's 16 rows as bf16, D apart */
-            for (int64_t i = 0; i < 16 * D; i += 16)
-                _mm256_storeu_si256((__m256i *)(kb + i), (__m256i)_mm512_cvtneps_pbh(load16w(k, i, kt)));
-            k = kb;
-        }
+        if (kt == W_F8) f8_rows_bf16((const uint8_t *)k, 16 * D, kb), k = kb; /* the block's 16 rows as bf16 */
         _tile_zero(0);
         switch (chunks) {
         case 6: _tile_loadd(1, k + 160, D * 2); _tile_dpbf16ps(0, 1, 7); /* fall through */
@@ -3755,6 +3758,12 @@ static AMX_TARGET void amx_block_scores(const uint16_t *k, int64_t D, const uint
         _tile_stored(0, s + u * 16, Mp * 4);
     }
 }
+/* the same over 16 fp8 key rows, rounded to bf16 (exactly) into kb first */
+static AMX_TARGET void amx_block_scores_f8(const uint8_t *k, int64_t D, const uint32_t *qp, int64_t Mp, float *s,
+                                           uint16_t *kb) {
+    f8_rows_bf16(k, 16 * D, kb);
+    amx_block_scores(kb, D, qp, Mp, s);
+}
 static AMX_TARGET void amx_attn_release(void) { _tile_release(); }
 #endif
 
@@ -3782,9 +3791,9 @@ static inline __attribute__((always_inline)) void attend_tile_w(const attn_ctx *
         for (int64_t d = 0; d < D; d += 8) transpose8(b->o + m * D + d, D, b->qt + d * Mp + m, Mp, 8);
     memset(b->o, 0, sizeof(float) * (size_t)(M * D));
     v16 scale = v16_set1(c->scale);
-    int amx = 0; /* the scores on AMX tiles: a bf16 cache, pages of whole blocks, queries of bf16 values */
+    int amx = 0; /* the scores on AMX tiles: a bf16 or fp8 cache, pages of whole blocks, queries of bf16 values */
 #if PLINTH_AVX512 && PLINTH_AMX
-    if (kt == W_BF16 && c->amx && bf16_exact(b->qt, D * Mp)) {
+    if ((kt == W_BF16 || kt == W_F8) && c->amx && bf16_exact(b->qt, D * Mp)) {
         for (int64_t i = 0; i < D / 2; i++)
             for (int64_t m = 0; m < Mp; m++) {
                 uint32_t lo16, hi16;
@@ -3800,8 +3809,9 @@ static inline __attribute__((always_inline)) void attend_tile_w(const attn_ctx *
         for (int64_t m = 0; m < Mp; m += 16) v16_store(b->bmax + m, v16_set1(-INFINITY));
 #if PLINTH_AVX512 && PLINTH_AMX
         if (amx) { /* 16 consecutive rows of one page: bs % 16 == 0 where c->amx */
-            const uint16_t *k16 = (const uint16_t *)kcache + (((int64_t)table[p0 / c->bs] * Hk + kh) * c->bs + p0 % c->bs) * D;
-            amx_block_scores(k16, D, b->qp, Mp, b->s);
+            const void *k16 = wat(kcache, (((int64_t)table[p0 / c->bs] * Hk + kh) * c->bs + p0 % c->bs) * D, kt);
+            if (kt == W_F8) amx_block_scores_f8((const uint8_t *)k16, D, b->qp, Mp, b->s, (uint16_t *)b->kb);
+            else amx_block_scores((const uint16_t *)k16, D, b->qp, Mp, b->s);
             tile_scores_finish(&sa, b->s, p0, units);
         }
 #endif
@@ -3931,10 +3941,15 @@ static void prefill_attention_range_f8(void *p, int64_t begin, int64_t end) {
     prefill_attention_range_w(p, begin, end, W_F8);
 }
 #if PLINTH_AVX512 && PLINTH_AMX
-/* a bf16 cache where c->a.amx: the GEMM tiles' scores on AMX tiles (configured for the range) */
+/* a bf16 or fp8 cache where c->a.amx: the GEMM tiles' scores on AMX tiles (configured for the range) */
 static void prefill_attention_range_amx(void *p, int64_t begin, int64_t end) {
     amx_attn_configure();
     prefill_attention_range_w(p, begin, end, W_BF16);
+    amx_attn_release();
+}
+static void prefill_attention_range_amx_f8(void *p, int64_t begin, int64_t end) {
+    amx_attn_configure();
+    prefill_attention_range_w(p, begin, end, W_F8);
     amx_attn_release();
 }
 #endif
@@ -3969,8 +3984,8 @@ int plinth_prefill_attention(int kt, const float *q, int64_t sq, const void *cac
                                                 : kt == W_F8  ? prefill_attention_range_f8
                                                               : prefill_attention_range;
 #if PLINTH_AVX512 && PLINTH_AMX
-    if (kt == W_BF16 && tile_mp && bs % FT_KEYS == 0 && D % 32 == 0 && plinth_amx_bf16(-1))
-        c.a.amx = 1, range = prefill_attention_range_amx;
+    if ((kt == W_BF16 || kt == W_F8) && tile_mp && bs % FT_KEYS == 0 && D % 32 == 0 && plinth_amx_bf16(-1))
+        c.a.amx = 1, range = kt == W_F8 ? prefill_attention_range_amx_f8 : prefill_attention_range_amx;
 #endif
     parallel_for(range, &c, tiles * Hk, 65536 / per_item + 1);
     free(tile_chunk);
