@@ -67,8 +67,9 @@ def reference_paged_attention(
             continue
         n_blocks = math.ceil(seq_len / block_size)
         blocks = meta.block_tables[i, :n_blocks].tolist()
-        k = torch.cat([key_cache[b] for b in blocks])[:seq_len].to(acc)  # [S, Hkv, D]
-        v = torch.cat([value_cache[b] for b in blocks])[:seq_len].to(acc)
+        # each block widened before the cat: torch.cat has no fp8 kernel where IPEX replaces it (torch 2.8)
+        k = torch.cat([key_cache[b].to(acc) for b in blocks])[:seq_len]  # [S, Hkv, D]
+        v = torch.cat([value_cache[b].to(acc) for b in blocks])[:seq_len]
         k = k.repeat_interleave(group, dim=1)  # [S, H, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[q_start:q_end].to(acc)  # [Q, H, D]
