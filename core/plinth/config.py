@@ -11,6 +11,15 @@ from plinth.validation import InvalidParameter, check_bool, check_float, check_i
 #: The values of :attr:`EngineConfig.quantization`.
 QUANTIZATION_CHOICES = ("auto", "none", "int8")
 DISTRIBUTED_EXECUTORS = ("mp", "ray")
+#: ``kv_cache_dtype`` spellings other engines use (vLLM's) -> plinth's: ``auto`` is the compute dtype
+#: (None), ``fp8`` and ``fp8_e4m3`` are ``float8_e4m3fn``; any other name is passed on for the
+#: backend's capabilities to judge.
+KV_CACHE_DTYPE_ALIASES: dict[str, str | None] = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def kv_cache_dtype_name(value: str | None) -> str | None:
+    """A ``kv_cache_dtype`` as plinth names it (:data:`KV_CACHE_DTYPE_ALIASES`); None stays None."""
+    return value if value is None else KV_CACHE_DTYPE_ALIASES.get(value, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +33,8 @@ class EngineConfig:
     - ``model``: HF folder or GGUF file; None: the default SmolLM2 model.
     - ``backend``: backend name; None: ``$PLINTH_BACKEND`` or the best probe.
     - ``dtype`` / ``kv_cache_dtype``: compute / KV cache dtype; None: the backend's / the compute dtype.
-      ``float8_e4m3fn`` (plugin API 1.16) is a KV-cache dtype only, where the backend declares it.
+      ``float8_e4m3fn`` (plugin API 1.16) is a KV-cache dtype only, where the backend declares it;
+      vLLM's spellings are taken too (``auto``: the compute dtype, ``fp8``/``fp8_e4m3``: float8_e4m3fn).
     - ``block_size`` (1-1024): tokens per KV block.
     - ``max_model_len`` (>= 2): context length; None: the model's.
     - ``max_num_batched_tokens`` (>= 16): the token budget of one step.
@@ -108,7 +118,9 @@ class EngineConfig:
             "model": check_str(owner, "model", self.model, optional=True),
             "backend": check_str(owner, "backend", self.backend, optional=True),
             "dtype": check_str(owner, "dtype", self.dtype, optional=True),
-            "kv_cache_dtype": check_str(owner, "kv_cache_dtype", self.kv_cache_dtype, optional=True),
+            "kv_cache_dtype": kv_cache_dtype_name(
+                check_str(owner, "kv_cache_dtype", self.kv_cache_dtype, optional=True)
+            ),
             "block_size": check_int(owner, "block_size", self.block_size, optional=True, ge=1, le=1024),
             "max_model_len": check_int(owner, "max_model_len", self.max_model_len, optional=True, ge=2),
             "max_num_batched_tokens": check_int(owner, "max_num_batched_tokens", self.max_num_batched_tokens, ge=16),

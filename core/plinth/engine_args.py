@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from plinth.config import kv_cache_dtype_name
+
 QUANTIZATION_HELP = (
     "auto (default): keep a GGUF's q4_1/q8_0 weights where the backend multiplies them natively; "
     "none: dequantize every weight to --dtype; int8: also quantize floating-point weights to q8_0"
@@ -26,7 +28,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         type=kv_cache_dtype_name,
         help="KV cache dtype, e.g. bfloat16 for half the cache memory, fp8 (float8_e4m3fn) for a quarter "
-        "where the backend has it (default: the compute dtype)",
+        "where the backend has it (default, or auto: the compute dtype)",
     )
     p.add_argument(
         "--threads", type=int, default=None, help="host threads for CPU kernels (default: the backend's choice)"
@@ -130,16 +132,6 @@ def _at_least(kind: type[int], text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be at least {low}, got {text!r}")
     return int(value)
-
-
-#: ``--kv-cache-dtype`` spellings other engines use -> plinth's dtype name.
-KV_CACHE_DTYPE_ALIASES: dict[str, str] = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
-
-
-def kv_cache_dtype_name(value: str) -> str:
-    """``--kv-cache-dtype``'s value as a dtype name: ``fp8`` and ``fp8_e4m3`` (vLLM's names) are
-    ``float8_e4m3fn``; any other name is passed on for the backend's capabilities to judge."""
-    return KV_CACHE_DTYPE_ALIASES.get(value, value)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

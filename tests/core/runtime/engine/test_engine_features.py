@@ -259,6 +259,10 @@ def test_fp8_kv_cache_quarters_the_blocks_bytes(folder: Path) -> None:
     for spelling in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
         options = engine_options(parser.parse_args(["--kv-cache-dtype", spelling]))
         assert EngineConfig(**options).kv_cache_dtype == "float8_e4m3fn"
+        assert EngineConfig(kv_cache_dtype=spelling).kv_cache_dtype == "float8_e4m3fn"  # LLM(kv_cache_dtype=...)
+    # vLLM's default spelling: the compute dtype, on the command line and in the Python API
+    assert EngineConfig(**engine_options(parser.parse_args(["--kv-cache-dtype", "auto"]))).kv_cache_dtype is None
+    assert EngineConfig(kv_cache_dtype="auto").kv_cache_dtype is None
     budget = dict(model=str(folder), backend="cpu", block_size=16, kv_cache_memory_gb=0.002)
     fp32 = LLM(**budget).engine.runner
     fp8 = LLM(**budget, kv_cache_dtype="float8_e4m3fn")
