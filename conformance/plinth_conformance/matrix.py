@@ -23,7 +23,7 @@ backend's code on a device it was not written for) or in a kernel interpreter; e
 hardware certification. See docs/conformance.md for what each tier checks.
 """
 
-_SHORT = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}
+_SHORT = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8 e4m3"}
 _MARK = {"passed": "pass", "failed": "**FAIL**", "skipped": "skipped", "not run": "-"}
 
 
@@ -40,6 +40,10 @@ def _row(cert: dict[str, Any]) -> list[str]:
     if verified != "hardware":
         verified = f"**{verified}**"
     features = ", ".join(caps.get("features", [])) or "-"
+    # the KV cache dtypes a backend takes beyond its compute dtypes (fp8 e4m3 from plugin API 1.16); a
+    # certificate from before the capability existed recorded none
+    kv = caps.get("kv_cache_dtypes")
+    kv_cell = "not recorded" if kv is None else ", ".join(_SHORT.get(d, d) for d in kv) or "-"
     quant = ", ".join(caps.get("quant_formats", [])) or "-"
     moe = caps.get("fused_moe")
     if "fused_moe" not in caps:  # a certificate from before plugin API 1.8 recorded no MoE op
@@ -57,6 +61,7 @@ def _row(cert: dict[str, Any]) -> list[str]:
         f"{plugin['distribution']}",
         f"{dev['name']}",
         ", ".join(_SHORT.get(d, d) for d in caps.get("dtypes", [])),
+        kv_cell,
         str(caps.get("head_sizes", "")),
         ", ".join(map(str, caps.get("block_sizes", []))),
         features,
@@ -81,6 +86,7 @@ def render_matrix(certs: list[dict[str, Any]]) -> str:
         "distribution",
         "device",
         "dtypes",
+        "KV cache dtypes",
         "head sizes",
         "block sizes",
         "features",

@@ -259,3 +259,15 @@ def test_induction_prompts_and_their_continuation() -> None:
     assert set(gram.unique().tolist()) == {-32.0, 0.0, 32.0}  # orthogonal or opposite
     # layer 1's previous-token head: the previous key beats every other one by PREV_MARGIN nats
     assert induction.prev_token_margin() > 1.5
+
+
+def test_matrix_shows_the_kv_cache_dtypes_a_certificate_declares() -> None:
+    cert = json.loads((REPO / "docs/certificates/cpu.json").read_text())
+    assert "float8_e4m3fn" in cert["capabilities"]["kv_cache_dtypes"]
+    head, _, row = render_matrix([cert]).split("\n|")[1:4]
+    column = head.split(" | ").index("KV cache dtypes")
+    assert "fp8 e4m3" in row.split(" | ")[column]
+    cert["capabilities"]["kv_cache_dtypes"] = ["bfloat16"]
+    assert render_matrix([cert]).split("\n|")[3].split(" | ")[column] == "bf16"
+    del cert["capabilities"]["kv_cache_dtypes"]  # a certificate from before the capability
+    assert render_matrix([cert]).split("\n|")[3].split(" | ")[column] == "not recorded"
