@@ -1,0 +1,50 @@
+"""benchmarks/attention.py's summary over --processes: medians, ranges and per-process ratios."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _attention():  # noqa: ANN202
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("attention")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_summary_takes_medians_and_ratios_per_process() -> None:
+    summarize = _attention().summarize
+    # one process slow for both libraries (as on a shared host): the per-process ratios still agree
+    results = [
+        {"case": "64x225x1", "gflops": {"this tree": 60.0, "HEAD": 50.0}, "diff": 0.0},
+        {"case": "64x225x1", "gflops": {"this tree": 36.0, "HEAD": 30.0}, "diff": 0.0},
+        {"case": "64x225x1", "gflops": {"this tree": 66.0, "HEAD": 60.0}, "diff": 0.0},
+        {"case": "8x512x512", "gflops": {"this tree": 100.0, "HEAD": 125.0}, "diff": 1e-6},
+    ]
+    decode, prefill = summarize(results, "HEAD")
+    assert decode.startswith("      64x225x1: this tree 60.0 (36.0-66.0) GFLOP/s, HEAD 50.0 (30.0-60.0) GFLOP/s")
+    assert "ratio median 1.20x (1.10-1.20x, this tree faster in 3 of 3)" in decode
+    assert decode.endswith("max |diff| 0.00e+00")
+    assert "ratio median 0.80x (0.80-0.80x, this tree faster in 0 of 1)" in prefill
+    assert prefill.endswith("max |diff| 1.00e-06")
+
+
+def test_summary_without_a_reference_has_no_ratio() -> None:
+    [line] = _attention().summarize([{"case": "1x4096x1", "gflops": {"this tree": 40.0}, "diff": None}], None)
+    assert line == "      1x4096x1: this tree 40.0 (40.0-40.0) GFLOP/s"
+
+
+def test_child_command_passes_the_built_revision_and_options() -> None:
+    import argparse
+
+    args = argparse.Namespace(cases=["64x225x1"], heads="9/3/64", block_size=16, cache_dtype="float8_e4m3fn",
+                              threads=2, repeats=50, bf16_queries=True, amx=False, against="HEAD")  # fmt: skip
+    cmd = _attention().child_command(args, Path("/tmp/lib-avx512.so"))
+    assert cmd[1].endswith("benchmarks/attention.py") and "--json-lines" in cmd and "--bf16-queries" in cmd
+    assert cmd[cmd.index("--against-lib") + 1] == "/tmp/lib-avx512.so" and "--processes" not in cmd
+    assert cmd[cmd.index("--cache-dtype") + 1] == "float8_e4m3fn"
