@@ -3337,12 +3337,6 @@ static AMX_TARGET void amx_attn_configure(void) {
     _tile_loadconfig(&t);
 }
 
-/* n (a multiple of 16) fp8 values at k rounded to bf16 at kb: exactly, every e4m3fn value being a
- * bf16 value (3 of bf16's 7 mantissa bits, exponents well inside its range) */
-static inline __attribute__((always_inline)) AMX_TARGET void f8_rows_bf16(const uint8_t *k, int64_t n, uint16_t *kb) {
-    for (int64_t i = 0; i < n; i += 16)
-        _mm256_storeu_si256((__m256i *)(kb + i), (__m256i)_mm512_cvtneps_pbh(load16w(k, i, W_F8)));
-}
 
 /* o[g][d0 + 16j] (nh heads from g0, nv vectors of 16) = sum over positions first..last of
  * st[pos][g] * V[pos], then times inv[g]; each V row (elements of kind kt: bf16 or fp8) widened once
@@ -3418,7 +3412,7 @@ static inline __attribute__((always_inline)) AMX_TARGET void amx_attend_head_w(c
             const char *nk = (const char *)wat(kc, ((table[(p + 16) / bs] * Hk + kh) * bs + (p + 16) % bs) * D, kt);
             for (int64_t b = 0; b < 16 * D * esize; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
         }
-        if (kt == W_F8) f8_rows_bf16((const uint8_t *)k, 16 * D, kb), k = kb; /* the block's 16 rows as bf16 */
+        if (kt == W_F8) widen_rows(k, 16 * D, kb), k = kb; /* the block's 16 rows as bf16 (exactly) */
         _tile_zero(0);
         switch (chunks) {
         case 6: _tile_loadd(1, k + 160, D * 2); _tile_dpbf16ps(0, 1, 7); /* fall through */
@@ -3803,7 +3797,7 @@ static AMX_TARGET void amx_block_scores(const uint16_t *k, int64_t D, const uint
 /* the same over 16 fp8 key rows, rounded to bf16 (exactly) into kb first */
 static AMX_TARGET void amx_block_scores_f8(const uint8_t *k, int64_t D, const uint32_t *qp, int64_t Mp, float *s,
                                            uint16_t *kb) {
-    f8_rows_bf16(k, 16 * D, kb);
+    widen_rows(k, 16 * D, kb); /* exactly: every e4m3fn value is a bf16 value */
     amx_block_scores(kb, D, qp, Mp, s);
 }
 static AMX_TARGET void amx_attn_release(void) { _tile_release(); }
