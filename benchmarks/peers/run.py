@@ -164,6 +164,11 @@ PLINTH_VARIANTS: tuple[tuple[str, str, list[str]], ...] = (
         "bf16-fp8kv",
         ["--dtype", "bfloat16", "--quantization", "none", "--kv-cache-dtype", "fp8"],
     ),
+    (  # AMX hosts: the Q4_1 model's products of 16+ rows on AMX-INT8 tiles (the VNNI kernel's results; no effect elsewhere)
+        "plinth Q4_1 native, 16+ row products on AMX-INT8 tiles (PLINTH_CPU_AMX_INT8=1)",
+        "native-amx8",
+        ["PLINTH_CPU_AMX_INT8=1", "--quantization", "auto"],
+    ),
     (  # AMX hosts: the fp32 model's multi-row products as three bf16 products on tiles (no effect elsewhere)
         "plinth fp32, 16+ row products as bf16x3 on AMX (PLINTH_CPU_FP32_BF16X3=16)",
         "fp32-bf16x3",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bumped on any change to the table; the library reports it and a stale build is refused.
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 HEADER = Path(__file__).with_name("csrc") / "abi.h"
 
@@ -87,6 +87,7 @@ FUNCTIONS: dict[str, CFunction] = {
     ),  # wt: 1 bf16, 2 fp16 panels
     "plinth_bf16_dot": CFunction("int", "void"),  # 1: plinth_gemm_bf16_pairs runs here (AVX512-BF16)
     "plinth_amx_bf16": CFunction("int", "int mode"),  # 1: the pair GEMM runs on AMX tiles (mode 1 on, 0 off, -1 ask)
+    "plinth_amx_int8": CFunction("int", "int mode"),  # 1: the 16-row quant panels run on AMX-INT8 tiles (as above)
     "plinth_pack_bf16_pairs": CFunction("void", "const void *w, void *P, int64_t N, int64_t K"),
     "plinth_gemm_bf16_pairs": CFunction(
         "int",

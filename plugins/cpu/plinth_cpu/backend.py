@@ -30,7 +30,14 @@ from plinth.platform.backend import (
     torch_dtype,
 )
 from plinth_cpu.attention import CPU_KV_LAYOUT, CpuAttention, NativeAttention
-from plinth_cpu.gemm import CpuGemm, NativeGemm, bf16_pairs_status, bf16x3_status, onednn_packing_status
+from plinth_cpu.gemm import (
+    CpuGemm,
+    NativeGemm,
+    amx_int8_status,
+    bf16_pairs_status,
+    bf16x3_status,
+    onednn_packing_status,
+)
 from plinth_cpu.host_memory import huge_page_tensor
 from plinth_cpu.lora import CpuLoRA
 from plinth_cpu.moe import CpuMoE, MoEScratch
@@ -236,6 +243,8 @@ class CpuBackend(Backend):
         ]
         if bf16x3 := bf16x3_status():
             reasons.insert(-1, bf16x3)
+        if amx_int8 := amx_int8_status():
+            reasons.insert(-1, amx_int8)
         if features or capability != "DEFAULT":
             score = SIMD_SCORE
         else:

@@ -61,6 +61,10 @@ import torch.nn.functional as F
 from plinth.platform.backend import GemmKernels, LinearWeight, host_memory_info
 from plinth.platform.quant import QuantizedWeight
 from plinth_cpu.native import (
+    AMX_ENV,
+    AMX_I8_MIN_ROWS,
+    AMX_INT8_ENV,
+    AMX_INT8_MODES,
     AVX512,
     ELEMENT_TYPES,
     INT16_LAYOUTS,
@@ -379,6 +383,36 @@ def bf16x3_status() -> str | None:
         return f"fp32 models: products of {rows} rows or more as three bf16 products on AMX tiles ({BF16X3_ENV})"
     why = missing.removeprefix("bf16 models: ") if missing else "no AMX-BF16 tiles expected here"
     return f"fp32 models: {BF16X3_ENV}={rows} asked for, but fp32 panels only ({why})"
+
+
+def amx_int8_status() -> str | None:
+    """Where :data:`~plinth_cpu.native.AMX_INT8_ENV` asks for AMX-INT8 tiles, whether quantized models'
+    batched products will run on them (the AVX-512 build or its emulation on a CPU with AMX-TILE and
+    AMX-INT8, :data:`~plinth_cpu.native.AMX_ENV` not "0"), in a line for ``plinth backends``; None where
+    it is unset or "0". Loads and compiles nothing, never raises."""
+    mode = os.environ.get(AMX_INT8_ENV, "0")
+    if mode == "0":
+        return None
+    if mode not in AMX_INT8_MODES:
+        return f"{AMX_INT8_ENV}={mode!r} is not one of {', '.join(AMX_INT8_MODES)}: the native kernels will not load"
+    if bad := amx_status():
+        return bad
+    why = None
+    if amx_mode() == "0":
+        why = f"{AMX_ENV}=0"
+    elif not {"amx_tile", "amx_int8"} <= (native_cpu_flags() or set()):
+        why = "the CPU has no AMX-INT8"
+    else:
+        try:
+            variant, _ = choose_variant()
+        except ValueError as e:
+            why = str(e)
+        else:
+            if variant.name != AVX512.name:
+                why = f"the {variant.name} build is chosen"
+    if why:
+        return f"q4_1/q8_0 models: {AMX_INT8_ENV}=1 asked for, but the VNNI kernel only ({why})"
+    return f"q4_1/q8_0 models: products of {AMX_I8_MIN_ROWS} rows or more on AMX-INT8 tiles ({AMX_INT8_ENV}=1)"
 
 
 def bf16_pairs_status() -> str:

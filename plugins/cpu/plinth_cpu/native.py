@@ -72,10 +72,10 @@ VARIANTS: tuple[IsaVariant, ...] = (AVX512, AVX2)
 
 #: "1": the AVX-512 variant is built emulated (:data:`EMULATED_AVX512`) and chosen on any AVX2 host.
 EMULATE_ENV = "PLINTH_CPU_EMULATE"
-#: What the emulated build gives the kernels' own probes (AVX512-BF16 and AMX-BF16 report present);
+#: What the emulated build gives the kernels' own probes (AVX512-BF16, AMX-BF16 and AMX-INT8 report present);
 #: the native-kernel decisions read these as CPU flags (:func:`native_cpu_flags`), torch's never do.
 EMULATED_CPU_FLAGS = frozenset(
-    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}
+    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
 )
 
 
@@ -291,6 +291,27 @@ def amx_mode() -> str:
     return mode
 
 
+#: "1": q4_1/q8_0 products of 16 rows or more on the 16-row panels run on AMX-INT8 tiles where the CPU
+#: has AMX-TILE and AMX-INT8 (and :data:`AMX_ENV` is not "0"): the int16 activations split into a signed
+#: high and an unsigned low byte, two int8 tile products per 32-block, scaled as the VNNI kernel scales
+#: them, so the outputs are that kernel's bit for bit. "0" (default): the VNNI kernel at every row count.
+#: Off by default until its speed against the VNNI kernel is measured on an AMX host (verified so far
+#: under emulation only: ``PLINTH_CPU_EMULATE=1``).
+AMX_INT8_ENV = "PLINTH_CPU_AMX_INT8"
+AMX_INT8_MODES = ("0", "1")
+#: The fewest rows a product takes the AMX-INT8 tiles with (``AMX_I8_MIN_ROWS`` in ``csrc/kernels.c``: a
+#: tile holds 16 rows, fewer are padded with zero rows).
+AMX_I8_MIN_ROWS = 16
+
+
+def amx_int8_mode() -> str:
+    """:data:`AMX_INT8_ENV` checked; a value other than those of :data:`AMX_INT8_MODES` is named."""
+    mode = os.environ.get(AMX_INT8_ENV, "0")
+    if mode not in AMX_INT8_MODES:
+        raise ValueError(f"{AMX_INT8_ENV}={mode!r} is not one of {', '.join(AMX_INT8_MODES)}")
+    return mode
+
+
 class NativeKernels:
     """The loaded library, with tensor-level wrappers (fp32, contiguous, on the CPU)."""
 
@@ -312,8 +333,16 @@ class NativeKernels:
         self.bf16_dot = bool(lib.plinth_bf16_dot())
         #: ... and on AMX tiles from 2 rows (AMX-TILE and AMX-BF16, granted by Linux; :data:`AMX_ENV`)
         self.amx_bf16 = bool(lib.plinth_amx_bf16(1 if amx_mode() == "auto" else 0))
+        #: whether q4_1/q8_0 16-row panels run on AMX-INT8 tiles from 16 rows (:data:`AMX_INT8_ENV`)
+        self.amx_int8 = self.set_amx_int8(amx_int8_mode() == "1" and amx_mode() == "auto")
         self._calls: list[tuple[str, tuple[object, ...]]] = []
         self.set_num_threads(torch.get_num_threads())
+
+    def set_amx_int8(self, on: bool) -> bool:
+        """Turn the AMX-INT8 path of :meth:`gemm_quant` on or off (for this process); returns whether it
+        is on, which needs a CPU with AMX-INT8 (or the emulated build)."""
+        self.amx_int8 = bool(self._lib.plinth_amx_int8(1 if on else 0))
+        return self.amx_int8
 
     def begin_recording(self) -> None:
         """Record every kernel call from now on (they still run) until :meth:`end_recording`."""

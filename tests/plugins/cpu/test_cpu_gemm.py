@@ -283,6 +283,40 @@ def test_backends_line_says_whether_bf16_weights_are_packed(
     assert any(says in reason for reason in CpuBackend().probe().reasons)
 
 
+def test_backends_line_says_whether_quantized_products_run_on_amx_int8_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plinth backends`` names PLINTH_CPU_AMX_INT8 only when it is set: taken where the AVX-512 build
+    (here: its emulation) meets AMX-INT8, refused with the reason elsewhere, a bad value named."""
+    from plinth_cpu import native as native_mod
+
+    monkeypatch.delenv(native_mod.AMX_INT8_ENV, raising=False)
+    monkeypatch.delenv(native_mod.AMX_ENV, raising=False)
+    monkeypatch.delenv(native_mod.ISA_ENV, raising=False)
+    assert gemm_mod.amx_int8_status() is None
+    monkeypatch.setenv(native_mod.AMX_INT8_ENV, "1")
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
+    assert gemm_mod.amx_int8_status() == (
+        "q4_1/q8_0 models: PLINTH_CPU_AMX_INT8=1 asked for, but the VNNI kernel only (the CPU has no AMX-INT8)"
+    )
+    monkeypatch.setattr(gemm_mod, "native_cpu_flags", lambda: set(native_mod.EMULATED_CPU_FLAGS))
+    monkeypatch.setattr(gemm_mod, "choose_variant", lambda: (native_mod.EMULATED_AVX512, "emulated"))
+    assert gemm_mod.amx_int8_status() == (
+        "q4_1/q8_0 models: products of 16 rows or more on AMX-INT8 tiles (PLINTH_CPU_AMX_INT8=1)"
+    )
+    monkeypatch.setenv(native_mod.AMX_ENV, "0")
+    assert gemm_mod.amx_int8_status() == (
+        "q4_1/q8_0 models: PLINTH_CPU_AMX_INT8=1 asked for, but the VNNI kernel only (PLINTH_CPU_AMX=0)"
+    )
+    monkeypatch.setattr(gemm_mod, "choose_variant", lambda: (native_mod.AVX2, "forced"))
+    monkeypatch.delenv(native_mod.AMX_ENV)
+    assert gemm_mod.amx_int8_status() == (
+        "q4_1/q8_0 models: PLINTH_CPU_AMX_INT8=1 asked for, but the VNNI kernel only (the avx2 build is chosen)"
+    )
+    monkeypatch.setenv(native_mod.AMX_INT8_ENV, "yes")
+    assert gemm_mod.amx_int8_status() == (
+        "PLINTH_CPU_AMX_INT8='yes' is not one of 0, 1: the native kernels will not load"
+    )
+
+
 def test_backends_line_says_whether_fp32_products_run_as_bf16x3(monkeypatch: pytest.MonkeyPatch) -> None:
     """``plinth backends`` names PLINTH_CPU_FP32_BF16X3 only when it is set: taken where the AMX tile
     kernel is expected (here: the emulated build), refused with the reason elsewhere, a bad value named."""

@@ -305,6 +305,39 @@ def test_quant_layouts_gemm_matches_the_row_kernel(
 
 
 @needs_native
+@pytest.mark.parametrize("layout", ["q4_1p16", "q8_0p16"])
+@pytest.mark.parametrize("m", [16, 17, 40, 133])  # one tile of rows; a padded one; several; past 128
+@pytest.mark.parametrize("n", [13, 48, 100])  # one partial panel; an odd count of panels; a partial pair
+@pytest.mark.parametrize("k", [32, 1536])
+def test_quant_panels_on_amx_int8_tiles_match_the_vnni_kernel(
+    nk: NativeKernels, threads: int, layout: str, m: int, n: int, k: int
+) -> None:
+    """The 16-row panels on AMX-INT8 tiles (``PLINTH_CPU_AMX_INT8=1``): the int16 activations split
+    into a signed high and an unsigned low byte give the VNNI kernel's exact integer block sums, and
+    the same scaling after them, so the outputs are the VNNI kernel's bit for bit. Runs where the CPU
+    has AMX-INT8 or on the emulated build (``PLINTH_CPU_EMULATE=1``); says which."""
+    before = nk.amx_int8
+    if not nk.set_amx_int8(True):
+        nk.set_amx_int8(before)
+        pytest.skip(f"{nk.variant.name} build: no AMX-INT8 tiles here (the emulated build runs this test)")
+    gen = torch.Generator().manual_seed(m * 1000 + n * 7 + k)
+    qw, b = _weight(layout, n, k, gen), torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 4  # blocks of unlike magnitudes
+    packed = _pack(nk, layout, qw)
+    try:
+        tiles = nk.gemm_quant(layout, x, packed, b, n, "int16")
+        nk.set_amx_int8(False)
+        vnni = nk.gemm_quant(layout, x, packed, b, n, "int16")
+    finally:
+        nk.set_amx_int8(before)
+    print(f"{layout} {m}x{n}x{k}: AMX-INT8 tiles ({nk.variant.label}) against the VNNI kernel")
+    assert torch.equal(tiles, vnni)
+    w = dequantize(qw)
+    ref = F.linear(x.double(), w.double(), b.double()).float()
+    assert ((tiles - ref).abs() <= _activation_error_bound(x, w, levels=32767)).all()
+
+
+@needs_native
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("m", [3, 9])  # a partial 4-row tile; two tiles and a row
 def test_quant_layouts_builds_agree_bit_for_bit(threads: int, layout: str, m: int) -> None:

@@ -195,6 +195,27 @@ static inline void plinth_emu_tile_dpbf16ps(int tc, int ta, int tb) {
     }
 }
 
+/* C[m][n] += sum over k and j < 4 of A[m][4k + j] B[k][4n + j], A's and B's bytes signed or unsigned as
+ * the instruction names them (TDPBSSD: both signed, TDPBSUD: A signed, B unsigned, ...); exact in
+ * 32 bits, wrapping as the hardware does */
+static inline void plinth_emu_tile_dpb(int tc, int ta, int tb, int a_signed, int b_signed) {
+    plinth_emu_tile *c = plinth_emu_tile_at(tc), *a = plinth_emu_tile_at(ta), *b = plinth_emu_tile_at(tb);
+    int quads = a->colsb / 4, cols = c->colsb / 4;
+    if (b->rows < quads || b->colsb < c->colsb) __builtin_trap(); /* shapes the hardware refuses */
+    for (int m = 0; m < c->rows; m++)
+        for (int n = 0; n < cols; n++) {
+            uint32_t acc;
+            memcpy(&acc, c->data[m] + 4 * n, 4);
+            for (int k = 0; k < quads; k++)
+                for (int j = 0; j < 4; j++) {
+                    uint8_t ab = a->data[m][4 * k + j], bb = b->data[k][4 * n + j];
+                    int32_t av = a_signed ? (int8_t)ab : ab, bv = b_signed ? (int8_t)bb : bb;
+                    acc += (uint32_t)(av * bv);
+                }
+            memcpy(c->data[m] + 4 * n, &acc, 4);
+        }
+}
+
 static inline void plinth_emu_tile_release(void) {
     memset(plinth_emu_tiles, 0, sizeof plinth_emu_tiles);
     plinth_emu_configured = 0;
@@ -206,11 +227,19 @@ static inline void plinth_emu_tile_release(void) {
 #undef _tile_zero
 #undef _tile_dpbf16ps
 #undef _tile_release
+#undef _tile_dpbssd
+#undef _tile_dpbsud
+#undef _tile_dpbusd
+#undef _tile_dpbuud
 #define _tile_loadconfig(config) plinth_emu_tile_loadconfig(config)
 #define _tile_loadd(t, base, stride) plinth_emu_tile_loadd((t), (base), (long)(stride))
 #define _tile_stored(t, base, stride) plinth_emu_tile_stored((t), (base), (long)(stride))
 #define _tile_zero(t) plinth_emu_tile_zero(t)
 #define _tile_dpbf16ps(c, a, b) plinth_emu_tile_dpbf16ps((c), (a), (b))
 #define _tile_release() plinth_emu_tile_release()
+#define _tile_dpbssd(c, a, b) plinth_emu_tile_dpb((c), (a), (b), 1, 1)
+#define _tile_dpbsud(c, a, b) plinth_emu_tile_dpb((c), (a), (b), 1, 0)
+#define _tile_dpbusd(c, a, b) plinth_emu_tile_dpb((c), (a), (b), 0, 1)
+#define _tile_dpbuud(c, a, b) plinth_emu_tile_dpb((c), (a), (b), 0, 0)
 
 #endif

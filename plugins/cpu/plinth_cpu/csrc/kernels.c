@@ -2364,6 +2364,221 @@ static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
     }
 }
 
+#if PLINTH_AVX512 && PLINTH_AMX
+/*
+ * The 16-row panels (q4_1p16, q8_0p16) on AMX-INT8 tiles, for batched products. The int16
+ * activations are split into bytes, x = 256 hi + lo (hi signed, lo unsigned), so two int8 tile
+ * products per block give exactly the integer dot the dpwssd kernel forms, 256 (hi . q) + (lo . q):
+ * TDPBSUD and TDPBUUD for q4_1's unsigned quants, TDPBSSD and TDPBUSD for q8_0's signed ones. Each
+ * 32-block is its own tile product (K = 32: the blocks' scales differ), its C tiles stored and
+ * scaled by AVX-512 with p16_tile's operations in p16_tile's order, so the outputs are the dpwssd
+ * kernel's bit for bit. Per call each panel pair's quants are unpacked once into B tiles (8 rows of
+ * 64 bytes a block: row i holds each column's quants 4i..4i+3) and pass every row of activations.
+ * Tiles 0-3: C (hi and lo of two panels), 4-5: A (hi, lo bytes of 16 rows), 6-7: B of two panels.
+ */
+#ifdef PLINTH_EMULATE
+#define AMX_I8_TARGET
+#else
+#define AMX_I8_TARGET __attribute__((target("amx-tile,amx-int8")))
+#endif
+/* the fewest rows a product takes the tiles with (a tile holds 16: fewer pad it with zero rows) */
+#define AMX_I8_MIN_ROWS 16
+
+/* 1 where the CPU has AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25) and Linux lets this
+ * process use the tile data; asked for once */
+static int amx_int8_probe(void) {
+#ifdef PLINTH_EMULATE
+    return 1;
+#endif
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+}
+
+typedef struct {
+    const qgemm_ctx *c;
+    int8_t *xh;  /* [Mp][K]: each int16 activation's high byte (signed) ... */
+    uint8_t *xl; /* ... and its low byte; rows M..Mp zero */
+    int64_t Mp;
+    _Atomic int failed;
+} amx_q_ctx;
+
+static void amx_q_split_range(void *p, int64_t begin, int64_t end) {
+    amx_q_ctx *a = (amx_q_ctx *)p;
+    const qgemm_ctx *c = a->c;
+    int64_t K = c->K, nb = c->nb;
+    for (int64_t m = begin; m < end; m++) {
+        int8_t *h = a->xh + m * K;
+        uint8_t *l = a->xl + m * K;
+        if (m >= c->M) {
+            memset(h, 0, (size_t)K), memset(l, 0, (size_t)K);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i v = _mm512_loadu_si512((const void *)c->xq16[m * nb + b].q);
+            _mm256_storeu_si256((__m256i *)(h + b * QK), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+            _mm256_storeu_si256((__m256i *)(l + b * QK), _mm512_cvtepi16_epi8(v)); /* truncated: the low byte */
+        }
+    }
+}
+
+/* per 32-bit lane: its bytes b0 and b1 moved to bytes 0, 1 (hi = 0) or 2, 3 (hi = 1), the others zero */
+static inline __m512i dword_pick(int b0, int b1, int hi) {
+    uint8_t ctl[64];
+    memset(ctl, 0x80, sizeof ctl);
+    for (int d = 0; d < 16; d++) {
+        int base = d % 4 * 4, at = d * 4 + 2 * hi;
+        ctl[at] = (uint8_t)(base + b0), ctl[at + 1] = (uint8_t)(base + b1);
+    }
+    return _mm512_loadu_si512((const void *)ctl);
+}
+
+/* A panel's nb blocks (at P, q4_1p16 or q8_0p16) as B tiles at T: 512 bytes a block, row i the 16
+ * columns' quants 4i..4i+3. q4_1p16's 32-bit lane n of vector t holds column n's nibbles of k =
+ * 8t + 2s + h at bit 16h + 4s: rows 2t and 2t + 1 take its nibbles s = 0, 1 and s = 2, 3. */
+static void amx_q_unpack(int q8, const uint8_t *P, int64_t nb, uint8_t *T) {
+    const int64_t bytes = q8 ? Q8P16_BYTES : P16_BYTES;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i e0 = dword_pick(0, 2, 0), e1 = dword_pick(0, 2, 1), o0 = dword_pick(1, 3, 0), o1 = dword_pick(1, 3, 1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *B = P + b * bytes;
+        uint8_t *t8 = T + b * 512;
+        if (q8) { /* row i: pair 2i's word of each column, pair 2i + 1's above it */
+            for (int i = 0; i < 8; i++) {
+                __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(B + 64 * i)));
+                __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(B + 64 * i + 32)));
+                _mm512_store_si512((void *)(t8 + 64 * i), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+            continue;
+        }
+        for (int t = 0; t < 4; t++) {
+            __m512i v = _mm512_load_si512((const void *)(B + 64 * t));
+            /* bytes of each lane: lo [s0h0 s2h0 s0h1 s2h1], hi [s1h0 s3h0 s1h1 s3h1] */
+            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            _mm512_store_si512((void *)(t8 + 128 * t), _mm512_or_si512(_mm512_shuffle_epi8(lo, e0), _mm512_shuffle_epi8(hi, e1)));
+            _mm512_store_si512((void *)(t8 + 128 * t + 64), _mm512_or_si512(_mm512_shuffle_epi8(lo, o0), _mm512_shuffle_epi8(hi, o1)));
+        }
+    }
+}
+
+static AMX_I8_TARGET void amx_q_configure(void) {
+    amx_tilecfg t;
+    memset(&t, 0, sizeof t);
+    t.palette = 1;
+    for (int i = 0; i < 4; i++) t.rows[i] = 16, t.colsb[i] = 64;
+    t.rows[4] = t.rows[5] = 16, t.colsb[4] = t.colsb[5] = 32;
+    t.rows[6] = t.rows[7] = 8, t.colsb[6] = t.colsb[7] = 64;
+    __asm__ volatile("" : : "r"(&t) : "memory"); /* the stores must precede LDTILECFG (see amx_attn_configure) */
+    _tile_loadconfig(&t);
+}
+
+/* items are panel pairs (the last may hold one panel, multiplied twice, its copy not stored) */
+static AMX_I8_TARGET void qgemm_amx_range(void *p, int64_t begin, int64_t end) {
+    amx_q_ctx *a = (amx_q_ctx *)p;
+    const qgemm_ctx *c = a->c;
+    const int q8 = c->fmt == FMT_Q8_0P16;
+    const int64_t nb = c->nb, K = c->K, panels = (c->N + 15) / 16, bytes = p16_block_bytes(c->fmt);
+    uint8_t *T = (uint8_t *)aligned_alloc(64, (size_t)(2 * nb * 512));
+    if (!T) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    int32_t cb[4][16][16] __attribute__((aligned(64)));
+    float acc[2][16][16] __attribute__((aligned(64)));
+    amx_q_configure();
+    for (int64_t pp = begin; pp < end; pp++) {
+        int64_t q = 2 * pp;
+        int two = q + 1 < panels;
+        const uint8_t *P[2] = {(const uint8_t *)c->w + q * nb * bytes, NULL};
+        P[1] = two ? P[0] + nb * bytes : P[0];
+        amx_q_unpack(q8, P[0], nb, T);
+        if (two) amx_q_unpack(q8, P[1], nb, T + nb * 512);
+        const uint8_t *T1 = two ? T + nb * 512 : T;
+        for (int64_t m0 = 0; m0 < c->M; m0 += 16) {
+            int nr = c->M - m0 < 16 ? (int)(c->M - m0) : 16;
+            memset(acc, 0, sizeof acc);
+            for (int64_t b = 0; b < nb; b++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, a->xh + m0 * K + b * QK, K);
+                _tile_loadd(5, a->xl + m0 * K + b * QK, K);
+                _tile_loadd(6, T + b * 512, 64);
+                _tile_loadd(7, T1 + b * 512, 64);
+                if (q8) {
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbusd(1, 5, 6);
+                    _tile_dpbssd(2, 4, 7);
+                    _tile_dpbusd(3, 5, 7);
+                } else {
+                    _tile_dpbsud(0, 4, 6);
+                    _tile_dpbuud(1, 5, 6);
+                    _tile_dpbsud(2, 4, 7);
+                    _tile_dpbuud(3, 5, 7);
+                }
+                _tile_stored(0, cb[0], 64);
+                _tile_stored(1, cb[1], 64);
+                _tile_stored(2, cb[2], 64);
+                _tile_stored(3, cb[3], 64);
+                for (int k = 0; k <= two; k++) { /* p16_tile's scaling, in its order */
+                    const uint8_t *B = P[k] + b * bytes;
+                    __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(B + (q8 ? 512 : 256))));
+                    __m512 mw = q8 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(B + 288)));
+                    for (int r = 0; r < nr; r++) {
+                        const block_q16_x *xb = c->xq16 + (m0 + r) * nb + b;
+                        __m512i dots = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)cb[2 * k][r]), 8),
+                                                        _mm512_load_si512((const void *)cb[2 * k + 1][r]));
+                        __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(dots),
+                                                   _mm512_load_ps(acc[k][r]));
+                        if (!q8) v = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), v); /* q4_1's minimum */
+                        _mm512_store_ps(acc[k][r], v);
+                    }
+                }
+            }
+            for (int k = 0; k <= two; k++) {
+                int64_t n0 = (q + k) * 16, left = c->N - n0;
+                __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+                __m512 bias = c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + n0) : _mm512_setzero_ps();
+                for (int r = 0; r < nr; r++)
+                    _mm512_mask_storeu_ps(c->y + (m0 + r) * c->N + n0, mask, _mm512_add_ps(_mm512_load_ps(acc[k][r]), bias));
+            }
+        }
+    }
+    _tile_release();
+    free(T);
+}
+
+/* plinth_gemm_quant's 16-row panels on AMX-INT8 tiles (c's activations already in int16): 0, or -1
+ * when out of memory */
+static int qgemm_amx(qgemm_ctx *c) {
+    int64_t Mp = (c->M + 15) / 16 * 16, panels = (c->N + 15) / 16, pairs = (panels + 1) / 2;
+    amx_q_ctx a = {c, (int8_t *)malloc((size_t)(Mp * c->K)), (uint8_t *)malloc((size_t)(Mp * c->K)), Mp, 0};
+    int rc = -1;
+    if (a.xh && a.xl) {
+        parallel_for(amx_q_split_range, &a, Mp, grain_for(Mp, 16));
+        parallel_for(qgemm_amx_range, &a, pairs, grain_for(pairs, 1));
+        rc = atomic_load(&a.failed) ? -1 : 0;
+    }
+    free(a.xh), free(a.xl);
+    return rc;
+}
+#endif
+
+/* Whether plinth_gemm_quant multiplies the 16-row panels on AMX-INT8 tiles from AMX_I8_MIN_ROWS rows:
+ * mode 1 on where the CPU has them, 0 off (the default), -1 asks. Returns 1 where they are on. */
+int plinth_amx_int8(int mode) {
+#if PLINTH_AVX512 && PLINTH_AMX
+    static int available = -1, on = 0;
+    if (available < 0) available = amx_int8_probe();
+    if (mode >= 0) on = mode;
+    return available && on;
+#else
+    (void)mode;
+    return 0;
+#endif
+}
+
 /* y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b with activations (act) in fp32 as given, or rounded
  * per 32-block to int8 or int16 first (q4_1x4 and q4_1p16: int16 only; -2 for another act). The
  * GGUF layouts and q4_1x4 serve few rows; the 16-row panels (q4_1p16, q8_0p16) any number.
@@ -2394,6 +2609,13 @@ int plinth_gemm_quant(int fmt, int act, const float *x, const void *w, const flo
     if (act != ACT_F32 || fmt == 0) parallel_for(quantize_range, &c, M * nb, grain_for(M * nb, 256));
     if (panels16) {
         int64_t panels = (N + 15) / 16;
+#if PLINTH_AVX512 && PLINTH_AMX
+        if (M >= AMX_I8_MIN_ROWS && plinth_amx_int8(-1)) {
+            int rc = qgemm_amx(&c);
+            free(scratch);
+            return rc;
+        }
+#endif
         parallel_for(qgemm_p16_range, &c, panels, grain_for(panels, 2));
         free(scratch);
         return 0;
