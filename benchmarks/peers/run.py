@@ -164,7 +164,7 @@ PLINTH_VARIANTS: tuple[tuple[str, str, list[str]], ...] = (
         "bf16-fp8kv",
         ["--dtype", "bfloat16", "--quantization", "none", "--kv-cache-dtype", "fp8"],
     ),
-    (  # AMX hosts: the Q4_1 model's products of 16+ rows on AMX-INT8 tiles (the VNNI kernel's results; no effect elsewhere)
+    (  # AMX hosts: the Q4_1 model's 16+ row products on AMX-INT8 tiles (the VNNI kernel's results; no effect elsewhere)
         "plinth Q4_1 native, 16+ row products on AMX-INT8 tiles (PLINTH_CPU_AMX_INT8=1)",
         "native-amx8",
         ["PLINTH_CPU_AMX_INT8=1", "--quantization", "auto"],

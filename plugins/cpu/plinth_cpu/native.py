@@ -530,7 +530,7 @@ class NativeKernels:
         if self.lib.plinth_gemm_quant(
             code, ACTIVATIONS[activations], x.data_ptr(), blocks.data_ptr(), bias_ptr, y.data_ptr(), M, n, K
         ):
-            raise MemoryError(f"no memory to quantize {M} x {K} activations")
+            raise MemoryError(f"no memory to quantize {M} x {K} activations (or split them for AMX-INT8 tiles)")
         return y
 
     def pack_q4_1x4(self, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:

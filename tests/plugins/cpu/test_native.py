@@ -338,6 +338,30 @@ def test_quant_panels_on_amx_int8_tiles_match_the_vnni_kernel(
 
 
 @needs_native
+def test_amx_int8_tiles_follow_the_environment(nk: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PLINTH_CPU_AMX_INT8 is read when the kernels load: "1" turns the tiles on where the build has
+    them (the emulated build, or a CPU with AMX-INT8), PLINTH_CPU_AMX=0 overrides it, "0" and unset
+    leave them off, and another value is named."""
+    before = nk.amx_int8
+    has_tiles = nk.set_amx_int8(True)
+    try:
+        cases = [("1", "auto", has_tiles), ("1", "0", False), ("0", "auto", False), (None, "auto", False)]
+        for env, amx, want in cases:
+            if env is None:
+                monkeypatch.delenv(native_mod.AMX_INT8_ENV, raising=False)
+            else:
+                monkeypatch.setenv(native_mod.AMX_INT8_ENV, env)
+            monkeypatch.setenv(native_mod.AMX_ENV, amx)
+            assert NativeKernels(nk.path, nk.variant).amx_int8 is want, (env, amx)
+        monkeypatch.setenv(native_mod.AMX_INT8_ENV, "on")
+        with pytest.raises(ValueError, match="PLINTH_CPU_AMX_INT8='on' is not one of 0, 1"):
+            NativeKernels(nk.path, nk.variant)
+    finally:
+        nk.set_amx_int8(before)
+        nk.lib.plinth_amx_bf16(int(nk.amx_bf16))  # the other AMX switch, as the library was loaded
+
+
+@needs_native
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("m", [3, 9])  # a partial 4-row tile; two tiles and a row
 def test_quant_layouts_builds_agree_bit_for_bit(threads: int, layout: str, m: int) -> None:
