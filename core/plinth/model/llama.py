@@ -23,7 +23,7 @@ from plinth.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbe
 from plinth.parallel.sharding import shard_grouped_rows
 from plinth.platform.backend import AttentionKernels, AttentionSpec, dtype_name
 from plinth.platform.devices import HOST
-from plinth.platform.quant import QuantizedWeight, dequantize
+from plinth.platform.quant import QuantizedWeight, dequantize, dequantize_rows
 
 # Checkpoint entries that are derived state, not weights: skipped without complaint.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
@@ -212,14 +212,16 @@ class LlamaForCausalLM(nn.Module):
             mine = (local >= 0) & (local < tp.plan.vocab_shard)
             local = torch.where(mine, local, torch.zeros_like(local))
             if isinstance(table, QuantizedWeight):
-                rows = dequantize(table.rows(local.to(HOST))).to(device=self.device, dtype=self.dtype)
+                rows = dequantize_rows(table, local.to(HOST)).to(device=self.device, dtype=self.dtype)
             else:
                 rows = table.index_select(0, local)
             rows = tp.comm.all_reduce(rows * mine[:, None].to(rows.dtype))
             return rows if out is None else out.copy_(rows)
         if isinstance(table, QuantizedWeight):  # a few rows' blocks, not the whole table, dequantized
-            rows = dequantize(table.rows(input_ids.to(HOST))).to(device=self.device, dtype=self.dtype)
-            return rows if out is None else out.copy_(rows)
+            rows = dequantize_rows(table, input_ids.to(HOST))
+            if out is not None:  # copy_ casts and moves
+                return out.copy_(rows)
+            return rows.to(device=self.device, dtype=self.dtype)
         if out is None:
             return table.index_select(0, input_ids)
         return torch.index_select(table, 0, input_ids, out=out)

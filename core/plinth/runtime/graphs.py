@@ -138,9 +138,10 @@ class DecodeGraphs:
         dev = services.device
         n = self.batch_sizes[-1]
         # Fixed inputs, shared by every bucket's graph (a bucket of size b uses the first b rows).
-        self._ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self._positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self._slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        # the token ids, positions and slots are rows of one buffer: a step fills them in one copy
+        self._longs = torch.zeros(3, n, dtype=torch.long, device=dev)
+        self._ids, self._positions, self._slots = self._longs[0], self._longs[1], self._longs[2]
+        self._slots.fill_(-1)
         self._seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self._block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -178,16 +179,16 @@ class DecodeGraphs:
         pad = bucket - b
         bs = self.block_size
         slots = [ids[p // bs] * bs + p % bs for ids, p in zip(block_ids, positions, strict=True)]
-        self._ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad))
-        self._positions[:bucket].copy_(torch.tensor(positions + [0] * pad))
-        self._slots[:bucket].copy_(torch.tensor(slots + [-1] * pad))
+        # few tensors a step: each torch call costs microseconds, several times more after a replay
+        # has run the caches cold (batch 1 decodes a token in a few milliseconds)
+        self._longs[:, :bucket].copy_(torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad]))
         self._seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
-        # rows only need the blocks up to their length; the rest of a row is never read
-        for i, (ids, p) in enumerate(zip(block_ids, positions, strict=True)):
-            n = p // bs + 1
-            self._block_tables[i, :n].copy_(torch.tensor(ids[:n], dtype=torch.int32))
-        if pad:
-            self._block_tables[b:bucket, 0] = 0
+        # rows only need the blocks up to their length; the rest of a row is never read, so the rows
+        # are padded with block 0 to the longest one's blocks and written in one copy
+        used = [p // bs + 1 for p in positions]
+        width = max(used, default=1)
+        rows = [ids[:n] + [0] * (width - n) for ids, n in zip(block_ids, used, strict=True)]
+        self._block_tables[:bucket, :width].copy_(torch.tensor(rows + [[0] * width] * pad, dtype=torch.int32))
         self.model.embed(self._ids[:bucket], out=self._hidden[:bucket])
 
     def _context(self, bucket: int) -> ForwardContext:

@@ -660,6 +660,14 @@ class NativeKernels:
         self.lib.plinth_gelu_tanh_and_mul(ELEMENT_TYPES[x.dtype], x.data_ptr(), out.data_ptr(), T, I2 // 2)
         return out
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of ``x`` [S, V] fp32 (unit column stride, V >= 1): the first index of each
+        row's maximum, a NaN counting as the maximum, as torch's; int64 [S]."""
+        S, V = x.shape
+        out = torch.empty(S, dtype=torch.int64)
+        self.lib.plinth_argmax_rows(x.data_ptr(), x.stride(0), S, V, out.data_ptr())
+        return out
+
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """``logits`` [S, V] fp32 (unit column stride) set to -inf where ``bitmask`` [S, W] int32
         (contiguous) has the token's bit clear."""

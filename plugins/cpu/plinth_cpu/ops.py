@@ -31,6 +31,15 @@ class CpuOps(TorchOps):
     def __init__(self, native: NativeKernels) -> None:
         self.native = native
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a 2-D tensor: one native pass for the maximum and one for its first
+        index per row (fp32 rows of unit stride, on the CPU), else :func:`sliced_argmax`. Greedy
+        sampling's step at batch 1: torch's argmax over a 49,152-token vocabulary took ~100 us of a
+        ~4 ms token here (AMD EPYC Zen 4, SmolLM2-135M Q4_1), the native one ~10."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1 or x.device.type != "cpu":
+            return super().argmax(x)
+        return self.native.argmax_rows(x)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim: ``x / rms(x) * weight``."""
         if x.dtype not in ELEMENT_TYPES or weight.dtype != x.dtype or x.dim() != 2 or x.shape[1] % 8:

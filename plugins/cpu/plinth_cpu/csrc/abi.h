@@ -3,7 +3,7 @@
 #define PLINTH_ABI_H
 #include <stdint.h>
 
-#define PLINTH_ABI_VERSION 20
+#define PLINTH_ABI_VERSION 21
 
 /* One recorded call: its kind, integer and pointer arguments in order, float arguments in order. */
 typedef struct {
@@ -25,6 +25,7 @@ int plinth_gemm_panels16(int wt, const float *x, const void *P, const float *bia
 int plinth_bf16_dot(void);
 int plinth_amx_bf16(int mode);
 int plinth_amx_int8(int mode);
+void plinth_argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t width, int64_t *out);
 void plinth_pack_bf16_pairs(const void *w, void *P, int64_t N, int64_t K);
 int plinth_gemm_bf16_pairs(const void *x, int64_t sx, const void *P, const float *bias, int yt, void *y, int64_t M, int64_t N, int64_t K);
 int plinth_gemm_rows16(int wt, const float *x, const void *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);

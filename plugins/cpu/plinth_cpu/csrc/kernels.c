@@ -3090,6 +3090,64 @@ void plinth_apply_token_bitmask(float *logits, int64_t stride, const int32_t *bi
     }
 }
 
+/* The index of the first maximum of the n floats at x, a NaN counting as the maximum (torch's argmax):
+ * one pass for the maximum (NaNs noted apart: max_ps drops them), a scalar search for the first NaN
+ * where there is one, else a second pass for the first element equal to the maximum (-0 and +0
+ * equal, as torch's comparison has them). */
+static int64_t argmax_row(const float *x, int64_t n) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0, nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+        nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+        m0 = _mm256_max_ps(m0, a), m1 = _mm256_max_ps(m1, b), m2 = _mm256_max_ps(m2, c), m3 = _mm256_max_ps(m3, d);
+    }
+    float tail[8], best = -INFINITY;
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    _mm256_storeu_ps(tail, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    for (int t = 0; t < 8; t++) best = tail[t] > best ? tail[t] : best;
+    for (; i < n; i++) {
+        if (x[i] != x[i]) any_nan = 1;
+        else if (x[i] > best) best = x[i];
+    }
+    if (any_nan) {
+        for (int64_t j = 0; j < n; j++)
+            if (x[j] != x[j]) return j;
+    }
+    __m256 target = _mm256_set1_ps(best);
+    for (i = 0; i + 8 <= n; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+    for (; i < n; i++)
+        if (x[i] == best) return i;
+    return 0; /* not reached: some element equals the maximum (an all -inf row: the first) */
+}
+
+typedef struct {
+    const float *x;
+    int64_t stride, width;
+    int64_t *out;
+} argmax_ctx;
+
+static void argmax_range(void *p, int64_t begin, int64_t end) {
+    const argmax_ctx *c = (const argmax_ctx *)p;
+    for (int64_t r = begin; r < end; r++) c->out[r] = argmax_row(c->x + r * c->stride, c->width);
+}
+
+/* out[r] = the index of the first maximum of row r of x (rows floats stride apart, width >= 1 each; a
+ * NaN counts as the maximum): torch's argmax(dim=-1). A single row runs on the calling thread (a
+ * vocabulary's 200 KB, just written by the LM head, is less work than waking the pool for). */
+void plinth_argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t width, int64_t *out) {
+    argmax_ctx c = {x, stride, width, out};
+    if (rows == 1) {
+        argmax_range(&c, 0, 1);
+        return;
+    }
+    parallel_for(argmax_range, &c, rows, grain_for(rows, 1));
+}
+
 typedef struct {
     const void *x;
     int64_t sx;
