@@ -1414,6 +1414,9 @@ static BF16_TARGET void gemm_pairs_range(void *p, int64_t begin, int64_t end) {
 #endif
 #define AMX_MIN_ROWS 2
 
+#define AMX_BF16_BIT 22
+#define AMX_INT8_BIT 25
+
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -1515,14 +1518,16 @@ static AMX_TARGET void gemm_pairs_amx_range(void *p, int64_t begin, int64_t end)
     if (configured >= 0) _tile_release();
 }
 
-/* 1 where the CPU has AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24, 22) and Linux lets this
- * process use the tile data (XFEATURE_XTILEDATA, 18); asked for once */
-static int amx_probe(void) {
+/* 1 where the CPU has AMX-TILE and the AMX feature of CPUID.(7,0):EDX bit `bit` (22: AMX-BF16, 25:
+ * AMX-INT8; AMX-TILE is bit 24) and Linux lets this process use the tile data (XFEATURE_XTILEDATA,
+ * 18); each caller asks once */
+static int amx_probe(int bit) {
 #ifdef PLINTH_EMULATE
+    (void)bit;
     return 1;
 #endif
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1)) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> bit) & 1)) return 0;
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
 }
 #else
@@ -1535,7 +1540,7 @@ static int amx_probe(void) {
 int plinth_amx_bf16(int mode) {
 #if PLINTH_AVX512 && PLINTH_AMX
     static int available = -1, on = 1;
-    if (available < 0) available = plinth_bf16_dot() && amx_probe();
+    if (available < 0) available = plinth_bf16_dot() && amx_probe(AMX_BF16_BIT);
     if (mode >= 0) on = mode;
     return available && on;
 #else
@@ -2384,17 +2389,6 @@ static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
 /* the fewest rows a product takes the tiles with (a tile holds 16: fewer pad it with zero rows) */
 #define AMX_I8_MIN_ROWS 16
 
-/* 1 where the CPU has AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25) and Linux lets this
- * process use the tile data; asked for once */
-static int amx_int8_probe(void) {
-#ifdef PLINTH_EMULATE
-    return 1;
-#endif
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
-}
-
 typedef struct {
     const qgemm_ctx *c;
     int8_t *xh;  /* [Mp][K]: each int16 activation's high byte (signed) ... */
@@ -2570,7 +2564,7 @@ static int qgemm_amx(qgemm_ctx *c) {
 int plinth_amx_int8(int mode) {
 #if PLINTH_AVX512 && PLINTH_AMX
     static int available = -1, on = 0;
-    if (available < 0) available = amx_int8_probe();
+    if (available < 0) available = amx_probe(AMX_INT8_BIT);
     if (mode >= 0) on = mode;
     return available && on;
 #else
