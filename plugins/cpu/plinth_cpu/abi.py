@@ -88,7 +88,9 @@ FUNCTIONS: dict[str, CFunction] = {
     "plinth_bf16_dot": CFunction("int", "void"),  # 1: plinth_gemm_bf16_pairs runs here (AVX512-BF16)
     "plinth_amx_bf16": CFunction("int", "int mode"),  # 1: the pair GEMM runs on AMX tiles (mode 1 on, 0 off, -1 ask)
     "plinth_amx_int8": CFunction("int", "int mode"),  # 1: the 16-row quant panels run on AMX-INT8 tiles (as above)
-    "plinth_argmax_rows": CFunction("void", "const float *x, int64_t stride, int64_t rows, int64_t width, int64_t *out"),
+    "plinth_argmax_rows": CFunction(
+        "void", "const float *x, int64_t stride, int64_t rows, int64_t width, int64_t *out"
+    ),
     "plinth_pack_bf16_pairs": CFunction("void", "const void *w, void *P, int64_t N, int64_t K"),
     "plinth_gemm_bf16_pairs": CFunction(
         "int",
