@@ -964,6 +964,46 @@ def test_engine_runs_a_16bit_model_natively_in_step_graphs(
 
 @pytest.mark.slow
 @needs_native
+def test_engine_runs_a_q4_1_models_batched_products_on_amx_int8_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 Q4_1 (the default: q4_1/q8_0 weights in 16-row panels) with the AMX-INT8 tiles on, where
+    the loaded build has them (an AMX host, or PLINTH_CPU_EMULATE=1): the prompt's products of 16 rows
+    or more run on the tiles, and the greedy tokens and their log-probabilities are exactly those of the
+    VNNI kernel (the same integer block sums, the same scaling after them)."""
+    kernels = native()
+    assert kernels is not None
+    before = kernels.amx_int8
+    if not kernels.set_amx_int8(True):
+        kernels.set_amx_int8(before)
+        pytest.skip(f"the loaded {kernels.variant.name} build has no AMX-INT8 tiles")
+    from plinth import LLM, SamplingParams
+
+    rows: list[int] = []
+    gemm_quant = NativeKernels.gemm_quant
+
+    def counting(self: NativeKernels, fmt: str, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if fmt in ("q4_1p16", "q8_0p16"):
+            rows.append(x.shape[0])
+        return gemm_quant(self, fmt, x, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NativeKernels, "gemm_quant", counting)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    prompts = ["Write a haiku about the sea. " * 4]  # a prompt of more than 16 tokens
+    llm = LLM(backend="cpu", max_model_len=256, num_kv_blocks=64, enable_prefix_caching=False)
+    assert llm.engine.model.layers[0].mlp.down_proj.weight.format == "q4_1p16"
+    try:
+        tiles = llm.generate(prompts, params)
+        kernels.set_amx_int8(False)
+        vnni = llm.generate(prompts, params)
+    finally:
+        kernels.set_amx_int8(before)
+    assert max(rows) >= native_mod.AMX_I8_MIN_ROWS  # the prompt's products took the tiles
+    a, b = tiles[0].outputs[0], vnni[0].outputs[0]
+    assert a.token_ids == b.token_ids and a.logprobs is not None and b.logprobs is not None
+    assert [dict(t.top) for t in a.logprobs] == [dict(t.top) for t in b.logprobs]
+
+
+@pytest.mark.slow
+@needs_native
 def test_engine_runs_an_fp32_models_prefill_as_bf16x3_products(monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2 in fp32 with PLINTH_CPU_FP32_BF16X3=16 where the loaded build has AMX tiles (an AMX host,
     or PLINTH_CPU_EMULATE=1): the prompt's products of 16 rows or more run as three bf16 products, and
