@@ -1530,6 +1530,15 @@ static int amx_probe(int bit) {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> bit) & 1)) return 0;
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
 }
+
+/* An AMX path's switch (plinth_amx_bf16, plinth_amx_int8): whether the CPU has the feature of `bit`
+ * (AMX-BF16 also needs AVX512-BF16) is asked once into *available; mode 1 or 0 sets *on, -1 only asks.
+ * Returns 1 where the path is on after the call. */
+static int amx_switch(int *available, int *on, int mode, int bit) {
+    if (*available < 0) *available = (bit != AMX_BF16_BIT || plinth_bf16_dot()) && amx_probe(bit);
+    if (mode >= 0) *on = mode;
+    return *available && *on;
+}
 #else
 #define PLINTH_AMX 0
 #endif
@@ -1540,9 +1549,7 @@ static int amx_probe(int bit) {
 int plinth_amx_bf16(int mode) {
 #if PLINTH_AVX512 && PLINTH_AMX
     static int available = -1, on = 1;
-    if (available < 0) available = plinth_bf16_dot() && amx_probe(AMX_BF16_BIT);
-    if (mode >= 0) on = mode;
-    return available && on;
+    return amx_switch(&available, &on, mode, AMX_BF16_BIT);
 #else
     (void)mode;
     return 0;
@@ -2392,8 +2399,7 @@ static void qgemm_p16_range(void *p, int64_t begin, int64_t end) {
 typedef struct {
     const qgemm_ctx *c;
     int8_t *xh;  /* [Mp][K]: each int16 activation's high byte (signed) ... */
-    uint8_t *xl; /* ... and its low byte; rows M..Mp zero */
-    int64_t Mp;
+    uint8_t *xl; /* ... and its low byte; rows M..Mp (M rounded up to 16) zero */
     _Atomic int failed;
 } amx_q_ctx;
 
@@ -2547,7 +2553,7 @@ static AMX_I8_TARGET void qgemm_amx_range(void *p, int64_t begin, int64_t end) {
  * when out of memory */
 static int qgemm_amx(qgemm_ctx *c) {
     int64_t Mp = (c->M + 15) / 16 * 16, panels = (c->N + 15) / 16, pairs = (panels + 1) / 2;
-    amx_q_ctx a = {c, (int8_t *)malloc((size_t)(Mp * c->K)), (uint8_t *)malloc((size_t)(Mp * c->K)), Mp, 0};
+    amx_q_ctx a = {c, (int8_t *)malloc((size_t)(Mp * c->K)), (uint8_t *)malloc((size_t)(Mp * c->K)), 0};
     int rc = -1;
     if (a.xh && a.xl) {
         parallel_for(amx_q_split_range, &a, Mp, grain_for(Mp, 16));
@@ -2564,9 +2570,7 @@ static int qgemm_amx(qgemm_ctx *c) {
 int plinth_amx_int8(int mode) {
 #if PLINTH_AVX512 && PLINTH_AMX
     static int available = -1, on = 0;
-    if (available < 0) available = amx_probe(AMX_INT8_BIT);
-    if (mode >= 0) on = mode;
-    return available && on;
+    return amx_switch(&available, &on, mode, AMX_INT8_BIT);
 #else
     (void)mode;
     return 0;
