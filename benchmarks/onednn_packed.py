@@ -12,6 +12,7 @@ AVX-512/AMX flags and the host load. ``--dtype float32`` compares the fp32 panel
     python benchmarks/onednn_packed.py                      # rows 1 2 4 8 16 32 64 128 512, 2 threads
     python benchmarks/onednn_packed.py --rows 4 8 16 --threads 1
     python benchmarks/onednn_packed.py --calls pairs --against HEAD~1 --rows 16 64 256   # kernels.c A/B
+    python benchmarks/onednn_packed.py --dtype float32 --against HEAD --rows 8 16 32   # the fp32 panels A/B
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--passes", type=int, default=7, help="passes over the weights per call kind and row count")
     parser.add_argument("--calls", default=",".join(CALLS), help=f"which of {','.join(CALLS)} to time (default all)")
-    parser.add_argument("--against", metavar="REF", help="also time the pair kernel of kernels.c at this git revision")
+    parser.add_argument(
+        "--against", metavar="REF", help="also time the pair kernel (fp32: the panels) of kernels.c at this git revision"
+    )
     args = parser.parse_args()
     chosen = {CALLS[c] for c in args.calls.split(",") if c}
     nk = native_mod.native()
@@ -70,7 +73,14 @@ def main() -> None:
         "F.linear": lambda x, i: F.linear(x, weights[i]),
         "oneDNN pre-packed": lambda x, i: onednn_packed_linear(x, packed[i], None),
     }
-    against = f"{PAIRS}, {args.against}"
+    mine = PAIRS if dtype == torch.bfloat16 else "native"
+    against = f"{mine}, {args.against}"
+    if dtype == torch.float32 and args.against and "native" in chosen:
+        tmp = tempfile.TemporaryDirectory()
+        old = build_revision(args.against, nk.variant, Path(tmp.name))
+        old.set_num_threads(args.threads)
+        calls[against] = lambda x, i: old.gemm_f32_panels(x, panels[i], None, weights[i].shape[0])
+        chosen.add(against)
     if dtype == torch.bfloat16 and nk.bf16_dot and (PAIRS in chosen or args.against):
         # a bf16 model's weights on a CPU with AVX512-BF16: the dot-product kernel on pair panels
         pair_panels = [nk.pack_bf16_pairs(w) for w in weights]
@@ -89,7 +99,7 @@ def main() -> None:
             ("oneDNN pre-packed", "native", "pre-packed", "native"),
             ("oneDNN pre-packed", "F.linear", "pre-packed", "F.linear"),
             (PAIRS, "oneDNN pre-packed", PAIRS, "pre-packed"),
-            (PAIRS, against, "this tree", args.against),
+            (mine, against, "this tree", args.against),
         )
         if a in calls and b in calls
     ]

@@ -759,7 +759,8 @@ static inline __attribute__((always_inline)) void transpose8(const float *w, int
  * one aligned vector of 8 outputs' weights. A 4x24 register tile (4 activation rows by 3 panels,
  * 12 accumulators) takes 3 vector loads and 4 broadcasts per 12 FMAs and ends with plain stores,
  * no horizontal sums. The three panels of a tile come from three far-apart segments of a thread's
- * range, three sequential weight streams as in the row-major tiles. With more than 4 rows, K goes
+ * range, three sequential weight streams as in the row-major tiles (the AVX-512 build's tiles are up
+ * to 8 rows tall for calls of few rows: see PANEL_MR). With more rows than one tile, K goes
  * in blocks of PANEL_KC: the 3 x PANEL_KC x 8 weights of a tile stay in L1 while every 4-row
  * group of a 64-row block of activations passes them, where the row-major tiles re-read both
  * operands from L2. A panel of one block is contiguous, so the weight streams stay sequential.
@@ -807,9 +808,19 @@ static inline void store8(float *y, __m256 v, int acc, const float *bias, int64_
 
 #if PLINTH_AVX512
 /* The AVX-512 build: one register holds two k of a panel (16 consecutive floats), multiplied by
- * [x[k] x 8 | x[k + 1] x 8] (an 8-byte load and a permute); a tile's 12 registers then sum even k in
+ * [x[k] x 8 | x[k + 1] x 8] (an 8-byte load and a permute); a tile's registers then sum even k in
  * their low and odd k in their high halves, added when stored: half the FMAs and loads of the AVX2
- * tile per k. */
+ * tile per k. With 32 registers a tile holds up to 8 rows (24 accumulators): a call of 5-16 rows
+ * (fp32; 5-8 of 16-bit panels) takes 8-row tiles, so up to 8 rows stream the weights once, computing
+ * as they go, where the 4-row tiles stream them with the first 4 rows and re-read them from L1 for
+ * the rest. Measured (AMD EPYC Zen 4, 2 threads, benchmarks/onednn_packed.py --dtype float32
+ * --against the 4-row tiles, 30 SmolLM2-shaped layers from memory, alternating, 4 processes): 8 rows
+ * 1.6-1.8x, 12 rows 1.4-1.5x, 16 rows 1.13-1.14x; from 24 rows 0.93-0.98x, so more rows keep the
+ * 4-row tiles and their prefetching; 16-bit panels (benchmarks/w16.py) 1.9-2.0x at 8 rows, 0.8-0.9x
+ * at 16. */
+#define PANEL_MR 8
+#define PANEL_TALL_ROWS 16   /* the most rows of a call that takes 8-row tiles of fp32 panels */
+#define PANEL_TALL_ROWS16 8  /* ... of 16-bit panels */
 #define PROW(i)                                                                                                \
     if (r > i) {                                                                                               \
         __m512 a = pair_halves(x##i + k);                                                                      \
@@ -826,10 +837,13 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
                                                              int64_t kc, float *y, int64_t N, const int64_t col[3],
                                                              int acc, const float *bias, int wt, int pf) {
     const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    const float *x4 = x + 4 * K, *x5 = x + 5 * K, *x6 = x + 6 * K, *x7 = x + 7 * K;
     const void *p0 = P[0], *p1 = P[1], *p2 = P[2];
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
     __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-    (void)x1, (void)x2, (void)x3;
+    __m512 c40 = c00, c41 = c00, c42 = c00, c50 = c00, c51 = c00, c52 = c00;
+    __m512 c60 = c00, c61 = c00, c62 = c00, c70 = c00, c71 = c00, c72 = c00;
+    (void)x1, (void)x2, (void)x3, (void)x4, (void)x5, (void)x6, (void)x7;
     for (int64_t k = 0; k < kc; k += 2) { /* kc is a multiple of 8 */
         if (pf && (wt == W_F32 || !(k & 3))) { /* a line every 64 bytes: 2 k of fp32, 4 of 16-bit */
             _mm_prefetch((const char *)wat(p0, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
@@ -837,13 +851,14 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
             _mm_prefetch((const char *)wat(p2, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
         }
         __m512 b0 = load16w(p0, 8 * k, wt), b1 = load16w(p1, 8 * k, wt), b2 = load16w(p2, 8 * k, wt);
-        PROW(0) PROW(1) PROW(2) PROW(3)
+        PROW(0) PROW(1) PROW(2) PROW(3) PROW(4) PROW(5) PROW(6) PROW(7)
     }
-    POUT(0) POUT(1) POUT(2) POUT(3)
+    POUT(0) POUT(1) POUT(2) POUT(3) POUT(4) POUT(5) POUT(6) POUT(7)
 }
 #undef PROW
 #undef POUT
 #else
+#define PANEL_MR 4
 #define PROW(i)                                                                                                \
     if (r > i) {                                                                                               \
         __m256 a = _mm256_broadcast_ss(x##i + k);                                                              \
@@ -886,6 +901,12 @@ static inline __attribute__((always_inline)) void panel_tile_rows_w(int64_t r, c
                                                                     int64_t N, const int64_t col[3], int acc,
                                                                     const float *bias, int wt, int pf) {
     switch (r) {
+#if PANEL_MR == 8
+    case 8: panel_tile(8, x, K, P, kc, y, N, col, acc, bias, wt, pf); break;
+    case 7: panel_tile(7, x, K, P, kc, y, N, col, acc, bias, wt, pf); break;
+    case 6: panel_tile(6, x, K, P, kc, y, N, col, acc, bias, wt, pf); break;
+    case 5: panel_tile(5, x, K, P, kc, y, N, col, acc, bias, wt, pf); break;
+#endif
     case 4: panel_tile(4, x, K, P, kc, y, N, col, acc, bias, wt, pf); break;
     case 3: panel_tile(3, x, K, P, kc, y, N, col, acc, bias, wt, pf); break;
     case 2: panel_tile(2, x, K, P, kc, y, N, col, acc, bias, wt, pf); break;
@@ -947,13 +968,18 @@ static void panel_row(const float *x, const void *P, int64_t K, float *y, int64_
 static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
     gemm_ctx *c = (gemm_ctx *)p;
     int64_t M = c->M, N = c->N, K = c->K, S = (end - begin) / 3;
-    int64_t chunks = M <= 4 ? 1 : (K + PANEL_KC - 1) / PANEL_KC, kcs = (K / chunks + 7) / 8 * 8;
     int wt = c->wt;
+#if PANEL_MR > 4
+    int64_t mr = M <= (wt == W_F32 ? PANEL_TALL_ROWS : PANEL_TALL_ROWS16) ? PANEL_MR : 4; /* rows per tile */
+#else
+    int64_t mr = 4;
+#endif
+    int64_t chunks = M <= mr ? 1 : (K + PANEL_KC - 1) / PANEL_KC, kcs = (K / chunks + 7) / 8 * 8;
     int64_t per_line = 64 / (int64_t)wsize(wt); /* elements in a cache line */
     float wide[3 * PANEL_KC * 8] __attribute__((aligned(64))); /* a 16-bit tile's 3 panels of one K block */
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_M_BLOCK) {
-        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M, groups = (m1 - m0 + 3) / 4;
-        int prefetch = groups >= PANEL_PREFETCH_GROUPS;
+        int64_t m1 = m0 + GEMM_M_BLOCK < M ? m0 + GEMM_M_BLOCK : M, groups = (m1 - m0 + mr - 1) / mr;
+        int prefetch = mr == 4 && groups >= PANEL_PREFETCH_GROUPS;
         for (int64_t q = begin; q < begin + S; q++) {
             const int64_t col[3] = {q * 8, (q + S) * 8, (q + 2 * S) * 8};
             for (int64_t k0 = 0; k0 < K; k0 += kcs) {
@@ -977,11 +1003,11 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
                     for (int j = 0; j < 3; j++) widen(P[j], wide + j * kc * 8, kc * 8, wt, !prefetch), P[j] = wide + j * kc * 8;
                     tile_wt = W_F32;
                 }
-                for (int64_t m = m0; m < m1; m += 4, l0 += share) {
+                for (int64_t m = m0; m < m1; m += mr, l0 += share) {
                     for (int64_t l = l0; l < l0 + share && l < lines; l++)
                         for (int j = 0; j < 3; j++) _mm_prefetch((const char *)next[j] + l * 64, _MM_HINT_T0);
                     /* a single row group streams the block from memory; with 2-3 groups the first does */
-                    int64_t r = m1 - m < 4 ? m1 - m : 4;
+                    int64_t r = m1 - m < mr ? m1 - m : mr;
                     if (groups == 1 || (m == m0 && !prefetch && tile_wt == W_F32)) /* direct calls: inlined */
                         panel_tile_rows_pf(r, c->x + m * K + k0, K, P, kc, c->y + m * N, N, col, k0 > 0, bias, tile_wt);
                     else
