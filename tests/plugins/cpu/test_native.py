@@ -112,9 +112,9 @@ def test_gemm_f32_matches_linear(nk: NativeKernels, threads: int, m: int, n: int
 
 
 @needs_native
-# up to one tile of rows (4 in the AVX2 build, 8 in the AVX-512 one): K in one pass; 9, 16: two tiles;
-# 40: the row count from which tiles prefetch the next block; 64-row blocks; the blocked path
-@pytest.mark.parametrize("m", [1, 4, 5, 8, 9, 16, 40, 45, 70, 263])
+# up to one tile of rows (4 in the AVX2 build, 8 in the AVX-512 one): K in one pass; 9, 16: two 8-row
+# tiles (AVX-512); 17, 45: 4-row tiles that prefetch the next block; 64-row blocks; the blocked path
+@pytest.mark.parametrize("m", [1, 4, 5, 8, 9, 16, 17, 45, 70, 263])
 @pytest.mark.parametrize("n", [8, 13, 100, 200])  # 13, 100: a last panel of 5 and 4 rows
 @pytest.mark.parametrize("k", [64, 1544])  # 1544: 13 blocks of K, the last one shorter
 @pytest.mark.parametrize("bias", [False, True])

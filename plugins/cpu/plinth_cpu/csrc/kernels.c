@@ -814,10 +814,10 @@ static inline void store8(float *y, __m256 v, int acc, const float *bias, int64_
  * (fp32; 5-8 of 16-bit panels) takes 8-row tiles, so up to 8 rows stream the weights once, computing
  * as they go, where the 4-row tiles stream them with the first 4 rows and re-read them from L1 for
  * the rest. Measured (AMD EPYC Zen 4, 2 threads, benchmarks/onednn_packed.py --dtype float32
- * --against the 4-row tiles, 30 SmolLM2-shaped layers from memory, alternating, 4 processes): 8 rows
- * 1.6-1.8x, 12 rows 1.4-1.5x, 16 rows 1.13-1.14x; from 24 rows 0.93-0.98x, so more rows keep the
- * 4-row tiles and their prefetching; 16-bit panels (benchmarks/w16.py) 1.9-2.0x at 8 rows, 0.8-0.9x
- * at 16. */
+ * --against the 4-row tiles, 30 SmolLM2-shaped layers from memory, alternating, 3 processes): 6 rows
+ * 1.25-1.42x, 8 rows 1.37-1.54x, 12 rows 1.19-1.21x, 16 rows 1.13-1.14x; 8-row tiles for every row
+ * count were 0.93-0.98x from 24 rows (4 processes), so more rows keep the 4-row tiles and their
+ * prefetching; 16-bit panels (benchmarks/w16.py) 1.9-2.0x at 6-8 rows, 0.8-0.9x at 16. */
 #define PANEL_MR 8
 #define PANEL_TALL_ROWS 16   /* the most rows of a call that takes 8-row tiles of fp32 panels */
 #define PANEL_TALL_ROWS16 8  /* ... of 16-bit panels */
