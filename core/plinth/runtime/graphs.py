@@ -20,6 +20,7 @@ CUDA-graph scheme, with the same rules.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -146,6 +147,16 @@ class DecodeGraphs:
         self._block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        # In host memory a step writes the inputs through flat views of the buffers, with no torch
+        # call: after a replay has streamed the weights through the caches, each torch call (its
+        # dispatch code and data cold) cost 15-45 us at batch 1, the six of a fill ~130 us a token.
+        self._views: tuple[ctypes.Array[Any], ctypes.Array[Any], ctypes.Array[Any]] | None = None
+        if torch.device(dev).type == "cpu":  # flat arrays over the tensors' memory (which self holds)
+            self._views = (
+                (ctypes.c_int64 * self._longs.numel()).from_address(self._longs.data_ptr()),
+                (ctypes.c_int32 * n).from_address(self._seq_lens.data_ptr()),
+                (ctypes.c_int32 * self._block_tables.numel()).from_address(self._block_tables.data_ptr()),
+            )
 
     def bucket(self, num_seqs: int) -> int | None:
         """The bucket a decode batch of ``num_seqs`` sequences runs in; None: too large, or the
@@ -179,16 +190,31 @@ class DecodeGraphs:
         pad = bucket - b
         bs = self.block_size
         slots = [ids[p // bs] * bs + p % bs for ids, p in zip(block_ids, positions, strict=True)]
-        # few tensors a step: each torch call costs microseconds, several times more after a replay
-        # has run the caches cold (batch 1 decodes a token in a few milliseconds)
-        self._longs[:, :bucket].copy_(torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad]))
-        self._seq_lens[:bucket].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
-        # rows only need the blocks up to their length; the rest of a row is never read, so the rows
-        # are padded with block 0 to the longest one's blocks and written in one copy
+        lens = [p + 1 for p in positions] + [1] * pad
+        # rows only need the blocks up to their length; the rest of a row is never read
         used = [p // bs + 1 for p in positions]
-        width = max(used, default=1)
-        rows = [ids[:n] + [0] * (width - n) for ids, n in zip(block_ids, used, strict=True)]
-        self._block_tables[:bucket, :width].copy_(torch.tensor(rows + [[0] * width] * pad, dtype=torch.int32))
+        if self._views is not None:
+            longs, seq_lens, tables = self._views
+            n = len(seq_lens)
+            longs[:bucket] = input_ids + [0] * pad
+            longs[n : n + bucket] = positions + [0] * pad
+            longs[2 * n : 2 * n + bucket] = slots + [-1] * pad
+            seq_lens[:bucket] = lens
+            width = len(tables) // n
+            for i, (ids, u) in enumerate(zip(block_ids, used, strict=True)):
+                tables[i * width : i * width + u] = ids[:u]
+            for i in range(b, bucket):  # a padding row reads its first block only (length 1)
+                tables[i * width] = 0
+        else:
+            # few tensors a step: each torch call costs microseconds, several times more after a
+            # replay has run the caches cold; the rows padded with block 0 to the longest one's blocks
+            self._longs[:, :bucket].copy_(
+                torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
+            )
+            self._seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32))
+            width = max(used, default=1)
+            rows = [ids[:n] + [0] * (width - n) for ids, n in zip(block_ids, used, strict=True)]
+            self._block_tables[:bucket, :width].copy_(torch.tensor(rows + [[0] * width] * pad, dtype=torch.int32))
         self.model.embed(self._ids[:bucket], out=self._hidden[:bucket])
 
     def _context(self, bucket: int) -> ForwardContext:

@@ -290,3 +290,32 @@ def test_a_backend_without_step_graphs_runs_every_step_eagerly(folder: Path) -> 
         for g, e in zip(data.graph_caches, data.eager_caches, strict=True):
             torch.testing.assert_close(g, e, **TOL)
     assert (graphs.stats.captures, graphs.stats.replays, graphs.stats.eager) == (0, 0, 2)
+
+
+@needs_native
+def test_host_buffers_are_filled_as_the_torch_copies_fill_them(cpu_model: tuple[Any, CpuBackend]) -> None:
+    """In host memory a step writes its inputs through flat views of the buffers (no torch call);
+    every value a replay reads (ids, positions, slots and lengths of the bucket's rows, each row's
+    blocks up to its length, a padding row's first block) equals what the torch copies write, over
+    steps of changing sizes whose earlier, longer rows leave stale values behind."""
+    model, backend = cpu_model
+    caches = _Batch(model, backend, seed=3).graph_caches
+    host, copies = _graphs(model, backend, caches), _graphs(model, backend, caches)
+    assert host._views is not None
+    copies._views = None  # the path of a device whose buffers are not in host memory
+    gen = torch.Generator().manual_seed(5)
+    for b in (5, 2, 8, 1, 3):
+        bucket = host.bucket(b)
+        assert bucket is not None
+        positions = [int(p) for p in torch.randint(0, MAX_BLOCKS * BLOCK, (b,), generator=gen)]
+        tables = [[int(x) for x in torch.randperm(40, generator=gen)[:MAX_BLOCKS]] for _ in range(b)]
+        ids = [int(t) for t in torch.randint(0, 100, (b,), generator=gen)]
+        for graphs in (host, copies):
+            graphs._fill(ids, positions, tables, bucket)
+        assert torch.equal(host._longs[:, :bucket], copies._longs[:, :bucket])
+        assert host._longs[2, :b].tolist() == [t[p // BLOCK] * BLOCK + p % BLOCK for t, p in zip(tables, positions)]
+        assert torch.equal(host._seq_lens[:bucket], copies._seq_lens[:bucket])
+        for i in range(bucket):
+            used = positions[i] // BLOCK + 1 if i < b else 1
+            assert torch.equal(host._block_tables[i, :used], copies._block_tables[i, :used]), (b, i)
+        assert torch.equal(host._hidden[:bucket], copies._hidden[:bucket])
