@@ -313,7 +313,8 @@ def test_host_buffers_are_filled_as_the_torch_copies_fill_them(cpu_model: tuple[
         for graphs in (host, copies):
             graphs._fill(ids, positions, tables, bucket)
         assert torch.equal(host._longs[:, :bucket], copies._longs[:, :bucket])
-        assert host._longs[2, :b].tolist() == [t[p // BLOCK] * BLOCK + p % BLOCK for t, p in zip(tables, positions)]
+        slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, p in zip(tables, positions, strict=True)]
+        assert host._longs[2, :b].tolist() == slots
         assert torch.equal(host._seq_lens[:bucket], copies._seq_lens[:bucket])
         for i in range(bucket):
             used = positions[i] // BLOCK + 1 if i < b else 1
