@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plinth.model.context import ForwardContext
 from plinth.platform.backend import AttentionMetadata, DeviceServices, StepGraph
+from plinth.platform.devices import HOST
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class DecodeGraphs:
         # call: after a replay has streamed the weights through the caches, each torch call (its
         # dispatch code and data cold) cost 15-45 us at batch 1, the six of a fill ~130 us a token.
         self._views: tuple[ctypes.Array[Any], ctypes.Array[Any], ctypes.Array[Any]] | None = None
-        if torch.device(dev).type == "cpu":  # flat arrays over the tensors' memory (which self holds)
+        if torch.device(dev).type == HOST.type:  # flat arrays over the tensors' memory (which self holds)
             self._views = (
                 (ctypes.c_int64 * self._longs.numel()).from_address(self._longs.data_ptr()),
                 (ctypes.c_int32 * n).from_address(self._seq_lens.data_ptr()),
