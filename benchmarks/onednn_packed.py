@@ -77,10 +77,11 @@ def main() -> None:
     }
     mine = PAIRS if dtype == torch.bfloat16 else "native"
     against = f"{mine}, {args.against}"
-    if dtype == torch.float32 and args.against and "native" in chosen:
+    if args.against:  # the library of that revision, for whichever kernel `mine` names
         tmp = tempfile.TemporaryDirectory()
         old = build_revision(args.against, nk.variant, Path(tmp.name))
         old.set_num_threads(args.threads)
+    if dtype == torch.float32 and args.against and "native" in chosen:
         calls[against] = lambda x, i: old.gemm_f32_panels(x, panels[i], None, weights[i].shape[0])
         chosen.add(against)
     if dtype == torch.bfloat16 and nk.bf16_dot and (PAIRS in chosen or args.against):
@@ -89,9 +90,6 @@ def main() -> None:
         calls[PAIRS] = lambda x, i: nk.gemm_bf16_pairs(x, pair_panels[i], None, weights[i].shape[0], dtype)
         chosen.add(PAIRS)
         if args.against:
-            tmp = tempfile.TemporaryDirectory()
-            old = build_revision(args.against, nk.variant, Path(tmp.name))
-            old.set_num_threads(args.threads)
             calls[against] = lambda x, i: old.gemm_bf16_pairs(x, pair_panels[i], None, weights[i].shape[0], dtype)
             chosen.add(against)
     calls = {name: call for name, call in calls.items() if name in chosen}

@@ -858,7 +858,9 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
 #undef PROW
 #undef POUT
 #else
-#define PANEL_MR 4
+#define PANEL_MR 4 /* 16 registers: 4-row tiles at every row count */
+#define PANEL_TALL_ROWS 0
+#define PANEL_TALL_ROWS16 0
 #define PROW(i)                                                                                                \
     if (r > i) {                                                                                               \
         __m256 a = _mm256_broadcast_ss(x##i + k);                                                              \
@@ -969,11 +971,7 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
     gemm_ctx *c = (gemm_ctx *)p;
     int64_t M = c->M, N = c->N, K = c->K, S = (end - begin) / 3;
     int wt = c->wt;
-#if PANEL_MR > 4
     int64_t mr = M <= (wt == W_F32 ? PANEL_TALL_ROWS : PANEL_TALL_ROWS16) ? PANEL_MR : 4; /* rows per tile */
-#else
-    int64_t mr = 4;
-#endif
     int64_t chunks = M <= mr ? 1 : (K + PANEL_KC - 1) / PANEL_KC, kcs = (K / chunks + 7) / 8 * 8;
     int64_t per_line = 64 / (int64_t)wsize(wt); /* elements in a cache line */
     float wide[3 * PANEL_KC * 8] __attribute__((aligned(64))); /* a 16-bit tile's 3 panels of one K block */
