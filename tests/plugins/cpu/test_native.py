@@ -129,6 +129,31 @@ def test_gemm_f32_panels_matches_linear(nk: NativeKernels, threads: int, m: int,
 
 
 @needs_native
+# the blocked path: whole 12-row tiles (96), a lone last micro-panel of 4 rows (100), a 12-row tile whose
+# second micro-panel has 5 rows (263)
+@pytest.mark.parametrize("m", [96, 100, 263])
+@pytest.mark.parametrize("n", [13, 200])
+def test_gemm_f32_panels_builds_agree_bit_for_bit(threads: int, m: int, n: int) -> None:
+    """The AVX-512 build's many-row tiles (12 rows by 32 columns) sum each output's products in the
+    AVX2 build's order (6 rows by 16): the same results, bit for bit, K in one pass and in two."""
+    if len(RUNNABLE) < 2:
+        pytest.skip(f"one build runs on this CPU ({RUNNABLE[0]}): nothing to compare")
+    gen = torch.Generator().manual_seed(m + n)
+    for k in (64, 1544):
+        x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+        results = []
+        for variant in RUNNABLE:
+            kernels = _kernels(variant)
+            before = kernels.num_threads()
+            kernels.set_num_threads(threads)
+            try:
+                results.append(kernels.gemm_f32_panels(x, kernels.pack_f32(w), b, n))
+            finally:
+                kernels.set_num_threads(before)
+        assert all(torch.equal(r, results[0]) for r in results[1:]), f"k={k}"
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 4, 5, 8, 9, 16, 45, 70, 263])  # few-row tiles, 64-row blocks, the blocked path
 @pytest.mark.parametrize("n", [8, 13, 200])  # 13: a last panel of 5 rows

@@ -1022,7 +1022,8 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
 /* ---- many rows (prefill): blocked as in BLIS (Goto's algorithm) ----
  * x is packed once per call into 6-row micro-panels [ceil(M/6)][K][6] with 8x8 register
  * transposes, so a k step reads 6 consecutive floats; a 6x16 register tile over two adjacent
- * weight panels (12 accumulators) takes 2 loads and 6 broadcasts per 12 FMAs. Items are (group of
+ * weight panels (12 accumulators) takes 2 loads and 6 broadcasts per 12 FMAs (the AVX-512 build: 12
+ * rows, two micro-panels, by 4 panels, 24 accumulators of 16). Items are (group of
  * 4 panels, 48-row block) pairs, row block inner: a thread's consecutive items share their weights
  * in L1/L2, and o_proj's and down_proj's 576 outputs still split evenly over two threads. The 4x24
  * tiles matched it at 1024 rows with two threads but not with one (83 against 92 GFLOP/s): they
@@ -1124,9 +1125,76 @@ static void kern6x32(int64_t mr, const float *A, int64_t kc, const float *const 
     default: kern_rows32(1, A, kc, P, y, ldy, acc); break;
     }
 }
+/* The same tile over two 6-row micro-panels at once (A, then mr2 <= 6 rows of A2: 24 accumulators),
+ * so each pair of weight vectors loaded and inserted serves 12 rows: half the loads and inserts per
+ * FMA (on Intel the inserts share a port with the FMAs). The same sums per output as kern6x32 (one k
+ * after another): the results equal the AVX2 build's bit for bit. Measured (AMD EPYC Zen 4, 2 threads,
+ * benchmarks/onednn_packed.py --dtype float32 --calls native --against the 6-row tiles, 30
+ * SmolLM2-shaped layers): 96-512 rows 1.04-1.08x (~186-192 -> ~195-200 GFLOP/s of a 232 GFLOP/s FMA
+ * peak; oneDNN on its pre-packed weights 206-213). K blocks of 256 or 384 (a block of weights in L1
+ * for every tile of an item) or 96-row items measured the same. */
+#define KROW(i)                                                                                                \
+    {                                                                                                          \
+        __m512 a = _mm512_set1_ps(A[i]);                                                                       \
+        c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0), c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);                  \
+    }
+#define KROW2(i)                                                                                               \
+    if (mr2 > i) {                                                                                             \
+        __m512 a = _mm512_set1_ps(A2[i]);                                                                      \
+        d##i##0 = _mm512_fmadd_ps(a, b0, d##i##0), d##i##1 = _mm512_fmadd_ps(a, b1, d##i##1);                  \
+    }
+#define KOUT(c, i, y)                                                                                          \
+    {                                                                                                          \
+        if (acc) {                                                                                             \
+            c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(y + i * ldy));                                    \
+            c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(y + i * ldy + 16));                               \
+        }                                                                                                      \
+        _mm512_storeu_ps(y + i * ldy, c##i##0), _mm512_storeu_ps(y + i * ldy + 16, c##i##1);                   \
+    }
+static inline __attribute__((always_inline)) void kern_rows32x2(int mr2, const float *A, const float *A2, int64_t kc,
+                                                                const float *const P[4], float *y, int64_t ldy,
+                                                                int acc) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    __m512 d00 = c00, d01 = c00, d10 = c00, d11 = c00, d20 = c00, d21 = c00;
+    __m512 d30 = c00, d31 = c00, d40 = c00, d41 = c00, d50 = c00, d51 = c00;
+    const float *P0 = P[0], *P1 = P[1], *P2 = P[2], *P3 = P[3];
+    for (int64_t k = 0; k < kc; k++, A += 6, A2 += 6) {
+        __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P0 + 8 * k)), _mm256_loadu_ps(P1 + 8 * k), 1);
+        __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P2 + 8 * k)), _mm256_loadu_ps(P3 + 8 * k), 1);
+        KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
+        KROW2(0) KROW2(1) KROW2(2) KROW2(3) KROW2(4) KROW2(5)
+    }
+    KOUT(c, 0, y) KOUT(c, 1, y) KOUT(c, 2, y) KOUT(c, 3, y) KOUT(c, 4, y) KOUT(c, 5, y)
+    float *y2 = y + 6 * ldy;
+    if (mr2 > 0) KOUT(d, 0, y2)
+    if (mr2 > 1) KOUT(d, 1, y2)
+    if (mr2 > 2) KOUT(d, 2, y2)
+    if (mr2 > 3) KOUT(d, 3, y2)
+    if (mr2 > 4) KOUT(d, 4, y2)
+    if (mr2 > 5) KOUT(d, 5, y2)
+}
+#undef KROW
+#undef KROW2
+#undef KOUT
+
+/* 6 rows of A and mr2 (1..6) of A2 */
+static void kern12x32(int64_t mr2, const float *A, const float *A2, int64_t kc, const float *const P[4], float *y,
+                      int64_t ldy, int acc) {
+    switch (mr2) {
+    case 6: kern_rows32x2(6, A, A2, kc, P, y, ldy, acc); break;
+    case 5: kern_rows32x2(5, A, A2, kc, P, y, ldy, acc); break;
+    case 4: kern_rows32x2(4, A, A2, kc, P, y, ldy, acc); break;
+    case 3: kern_rows32x2(3, A, A2, kc, P, y, ldy, acc); break;
+    case 2: kern_rows32x2(2, A, A2, kc, P, y, ldy, acc); break;
+    default: kern_rows32x2(1, A, A2, kc, P, y, ldy, acc); break;
+    }
+}
 #define KERN_PANELS 4
+#define KERN_TILES 2 /* 6-row micro-panels per tile */
 #else
 #define KERN_PANELS 2
+#define KERN_TILES 1
 #endif
 #define KERN_COLS (8 * KERN_PANELS)
 
@@ -1165,7 +1233,7 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
     blocked_ctx *c = (blocked_ctx *)p;
     int64_t M = c->M, N = c->N, K = c->K, tiles = (M + 5) / 6, panels = (N + 7) / 8;
     int64_t chunks = (K + PACK_KC - 1) / PACK_KC, kcs = (K / chunks + 7) / 8 * 8;
-    float tile[6 * KERN_COLS];
+    float tile[6 * KERN_TILES * KERN_COLS];
     /* 16-bit panels: the fp32 values of the KERN_PANELS panels' current K block (kcs <= PACK_KC),
      * widened once for the item's row tiles: 4 x 768 x 8 floats (96 KiB) at most, read from L2 */
     float wide[KERN_PANELS * PACK_KC * 8] __attribute__((aligned(64)));
@@ -1187,8 +1255,9 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
                         widen(src, wide + j * kc * 8, kc * 8, c->wt, 0);
                     }
                 }
-                for (int64_t t = t0; t < t1; t++) {
-                    int64_t m = t * 6, mr = M - m < 6 ? M - m : 6;
+                for (int64_t t = t0; t < t1; t += KERN_TILES) {
+                    int two = KERN_TILES == 2 && t + 1 < t1; /* a 12-row tile: this micro-panel and the next */
+                    int64_t m = t * 6, rows = two ? 12 : 6, mr = M - m < rows ? M - m : rows;
                     const float *At = c->A + t * PANEL_X(K) + k0 * 6;
                     float *out = cols == KERN_COLS ? c->y + m * N + nj : tile;
                     int64_t ldy = cols == KERN_COLS ? N : KERN_COLS;
@@ -1197,7 +1266,10 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
                         for (int64_t i = 0; i < mr; i++)
                             memcpy(tile + i * KERN_COLS, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
 #if PLINTH_AVX512
-                    kern6x32(mr, At, kc, P, out, ldy, k0 > 0);
+                    if (two)
+                        kern12x32(mr - 6, At, At + PANEL_X(K), kc, P, out, ldy, k0 > 0);
+                    else
+                        kern6x32(mr, At, kc, P, out, ldy, k0 > 0);
 #else
                     kern6x16(mr, At, kc, P[0], P[1], out, ldy, k0 > 0);
 #endif
