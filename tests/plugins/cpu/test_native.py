@@ -681,6 +681,27 @@ def test_decode_attention_matches_torch_path(
     _same_as_fp32_cache(nk, spec, q, cache, meta, got)
 
 
+@needs_native
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])  # the AVX-512 build takes a group's heads 3 at a time
+@pytest.mark.parametrize("head_size", [40, 64, 96])  # 40: an 8-wide tail of the scores; 96: of the values
+def test_decode_attention_head_groups_and_sizes(
+    nk: NativeKernels, threads: int, cache_dtype: torch.dtype, group: int, head_size: int
+) -> None:
+    """Query heads per kv head from 1 to 7 (the AVX-512 build reads each key and value element once
+    for up to 3 heads of a group: 3 + 1, 3 + 3 + 1 heads) and head sizes past the 16- and 64-wide
+    steps, against the torch path."""
+    gen = torch.Generator().manual_seed(group * 100 + head_size)
+    spec = AttentionSpec(num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=16)
+    seq_lens = [1, 9, 37, 16, 70]
+    cache, meta = _decode_batch(seq_lens, spec, 24, gen, cache_dtype)
+    q = torch.randn(len(seq_lens), spec.num_heads, head_size, generator=gen)
+    got = NativeAttention(spec, CPU_KV_LAYOUT, nk).forward(q, cache, meta, 0.17)
+    expected = CpuAttention(spec).forward(q, cache, meta, 0.17)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    _same_as_fp32_cache(nk, spec, q, cache, meta, got)
+
+
 def _tiles_against_the_fp32_path(nk: NativeKernels, spec: AttentionSpec, q: torch.Tensor, cache: torch.Tensor,
                                  meta: AttentionMetadata, what: str) -> NativeAttention:  # fmt: skip
     """The native attention of bf16-valued ``q`` over a bf16 cache with the AMX tiles on (where the CPU

@@ -3464,6 +3464,135 @@ static inline __attribute__((always_inline)) void pv64(const void *v, int64_t D,
 #endif
 }
 
+#if PLINTH_AVX512
+/* Up to this many query heads of a group read each key and value element of a page together (the
+ * AVX-512 build: 8 positions x 3 heads of scores are 24 of its 32 registers), so a 16-bit or fp8
+ * element is widened once per 3 heads, not once per head. Measured (AMD EPYC Zen 4, 2 threads,
+ * SmolLM2's 9/3 x 64 heads, bf16-valued queries, benchmarks/attention.py --against the per-head loops
+ * --processes 6, medians): bf16 cache 64 x 225 x 1 1.22x (1.19-1.30x), 1 x 4096 x 1 1.29x, 64 x 2048 x 1
+ * (from memory) 0.98x; fp8 cache 1.13-1.17x (4 processes); fp32 cache 0.98-1.04x (bound by memory).
+ * The AVX2 build's 16 registers keep one head at a time. */
+#define SHARED_HEADS 3
+/* dot8 for nh (1..SHARED_HEADS, a constant where inlined) query heads at once, query head h at
+ * q + h * D, its 8 scores stored at out + h * stride: each key element is loaded, and a 16-bit or
+ * widened fp8 one widened, once for the nh heads where dot8 does so once per head. Each score is
+ * dot8's FMA chain, folds and sums, so the same value bit for bit; the same prefetch steps. */
+static inline __attribute__((always_inline)) void dot8_heads(int nh, const float *q, const void *k, int64_t D,
+                                                             page_prefetch *pf, int kt, float *out, int64_t stride) {
+    /* z<h><p>: head h, position p (explicit registers: arrays of them were kept in memory) */
+    __m512 z00 = _mm512_setzero_ps(), z01 = z00, z02 = z00, z03 = z00, z04 = z00, z05 = z00, z06 = z00, z07 = z00;
+    __m512 z10 = z00, z11 = z00, z12 = z00, z13 = z00, z14 = z00, z15 = z00, z16 = z00, z17 = z00;
+    __m512 z20 = z00, z21 = z00, z22 = z00, z23 = z00, z24 = z00, z25 = z00, z26 = z00, z27 = z00;
+#define D8_POS(p)                                                                                              \
+    {                                                                                                          \
+        __m512 kv = load16w(k, p * D + d, kt);                                                                 \
+        z0##p = _mm512_fmadd_ps(q0, kv, z0##p);                                                                \
+        if (nh > 1) z1##p = _mm512_fmadd_ps(q1, kv, z1##p);                                                    \
+        if (nh > 2) z2##p = _mm512_fmadd_ps(q2, kv, z2##p);                                                    \
+    }
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m512 q0 = _mm512_loadu_ps(q + d), q1 = q0, q2 = q0;
+        prefetch_step(pf);
+        if (nh > 1) prefetch_step(pf), q1 = _mm512_loadu_ps(q + D + d);
+        if (nh > 2) prefetch_step(pf), q2 = _mm512_loadu_ps(q + 2 * D + d);
+        D8_POS(0) D8_POS(1) D8_POS(2) D8_POS(3) D8_POS(4) D8_POS(5) D8_POS(6) D8_POS(7)
+    }
+#undef D8_POS
+#define D8_FOLD(h)                                                                                             \
+    __m256 a##h##0 = fold_halves(z##h##0), a##h##1 = fold_halves(z##h##1), a##h##2 = fold_halves(z##h##2);     \
+    __m256 a##h##3 = fold_halves(z##h##3), a##h##4 = fold_halves(z##h##4), a##h##5 = fold_halves(z##h##5);     \
+    __m256 a##h##6 = fold_halves(z##h##6), a##h##7 = fold_halves(z##h##7);
+    D8_FOLD(0) D8_FOLD(1) D8_FOLD(2)
+#undef D8_FOLD
+#define D8_POS(p)                                                                                              \
+    {                                                                                                          \
+        __m256 kv = load8w(k, p * D + d, kt);                                                                  \
+        a0##p = _mm256_fmadd_ps(q0, kv, a0##p);                                                                \
+        if (nh > 1) a1##p = _mm256_fmadd_ps(q1, kv, a1##p);                                                    \
+        if (nh > 2) a2##p = _mm256_fmadd_ps(q2, kv, a2##p);                                                    \
+    }
+    for (; d < D; d += 8) { /* the last 8 of a D that is not a multiple of 16 */
+        __m256 q0 = _mm256_loadu_ps(q + d), q1 = q0, q2 = q0;
+        prefetch_step(pf);
+        if (nh > 1) prefetch_step(pf), q1 = _mm256_loadu_ps(q + D + d);
+        if (nh > 2) prefetch_step(pf), q2 = _mm256_loadu_ps(q + 2 * D + d);
+        D8_POS(0) D8_POS(1) D8_POS(2) D8_POS(3) D8_POS(4) D8_POS(5) D8_POS(6) D8_POS(7)
+    }
+#undef D8_POS
+    _mm256_storeu_ps(out, hsum8x8(a00, a01, a02, a03, a04, a05, a06, a07));
+    if (nh > 1) _mm256_storeu_ps(out + stride, hsum8x8(a10, a11, a12, a13, a14, a15, a16, a17));
+    if (nh > 2) _mm256_storeu_ps(out + 2 * stride, hsum8x8(a20, a21, a22, a23, a24, a25, a26, a27));
+}
+
+/* pv64 for nh (1..SHARED_HEADS) heads at once: head h's weights at p + h * ps, its output slice at
+ * o + h * D; each value element loaded (and widened) once for the nh heads. pv64's FMA chains, so
+ * the same sums bit for bit; the same prefetch steps. */
+static inline __attribute__((always_inline)) void pv64_heads(int nh, const void *v, int64_t D, const float *p,
+                                                             int64_t ps, int64_t n, float *o, page_prefetch *pf,
+                                                             int kt) {
+    __m512 z00 = _mm512_loadu_ps(o), z01 = _mm512_loadu_ps(o + 16), z02 = _mm512_loadu_ps(o + 32);
+    __m512 z03 = _mm512_loadu_ps(o + 48), z10 = z00, z11 = z00, z12 = z00, z13 = z00, z20 = z00, z21 = z00;
+    __m512 z22 = z00, z23 = z00;
+    if (nh > 1)
+        z10 = _mm512_loadu_ps(o + D), z11 = _mm512_loadu_ps(o + D + 16), z12 = _mm512_loadu_ps(o + D + 32),
+        z13 = _mm512_loadu_ps(o + D + 48);
+    if (nh > 2)
+        z20 = _mm512_loadu_ps(o + 2 * D), z21 = _mm512_loadu_ps(o + 2 * D + 16),
+        z22 = _mm512_loadu_ps(o + 2 * D + 32), z23 = _mm512_loadu_ps(o + 2 * D + 48);
+#define PV_HEAD(h)                                                                                             \
+    {                                                                                                          \
+        prefetch_step(pf);                                                                                     \
+        __m512 w = _mm512_set1_ps(p[h * ps + i]);                                                              \
+        z##h##0 = _mm512_fmadd_ps(w, v0, z##h##0), z##h##1 = _mm512_fmadd_ps(w, v1, z##h##1);                  \
+        z##h##2 = _mm512_fmadd_ps(w, v2, z##h##2), z##h##3 = _mm512_fmadd_ps(w, v3, z##h##3);                  \
+    }
+    for (int64_t i = 0; i < n; i++, v = wat(v, D, kt)) {
+        __m512 v0 = load16w(v, 0, kt), v1 = load16w(v, 16, kt), v2 = load16w(v, 32, kt), v3 = load16w(v, 48, kt);
+        PV_HEAD(0)
+        if (nh > 1) PV_HEAD(1)
+        if (nh > 2) PV_HEAD(2)
+    }
+#undef PV_HEAD
+    _mm512_storeu_ps(o, z00), _mm512_storeu_ps(o + 16, z01), _mm512_storeu_ps(o + 32, z02), _mm512_storeu_ps(o + 48, z03);
+    if (nh > 1)
+        _mm512_storeu_ps(o + D, z10), _mm512_storeu_ps(o + D + 16, z11), _mm512_storeu_ps(o + D + 32, z12),
+            _mm512_storeu_ps(o + D + 48, z13);
+    if (nh > 2)
+        _mm512_storeu_ps(o + 2 * D, z20), _mm512_storeu_ps(o + 2 * D + 16, z21), _mm512_storeu_ps(o + 2 * D + 32, z22),
+            _mm512_storeu_ps(o + 2 * D + 48, z23);
+}
+
+/* dot8_heads and pv64_heads for a run-time nh and element kind, out of line: inlined into the
+ * attention loops their 24-28 live registers were partly kept on the stack */
+#define HEADS_SWITCH(call, kind)                                                                               \
+    switch (nh) {                                                                                              \
+    case 3: call(3, kind); break;                                                                              \
+    case 2: call(2, kind); break;                                                                              \
+    default: call(1, kind); break;                                                                             \
+    }
+#define KINDS_SWITCH(call)                                                                                     \
+    switch (kt) {                                                                                              \
+    case W_BF16: HEADS_SWITCH(call, W_BF16) break;                                                             \
+    case W_F16: HEADS_SWITCH(call, W_F16) break;                                                               \
+    default: HEADS_SWITCH(call, W_F32) break;                                                                  \
+    }
+static __attribute__((noinline)) void dot8_heads_any(int nh, const float *q, const void *k, int64_t D,
+                                                     page_prefetch *pf, int kt, float *out, int64_t stride) {
+#define CALL(n, kind) dot8_heads(n, q, k, D, pf, kind, out, stride)
+    KINDS_SWITCH(CALL)
+#undef CALL
+}
+static __attribute__((noinline)) void pv64_heads_any(int nh, const void *v, int64_t D, const float *p, int64_t ps,
+                                                     int64_t n, float *o, page_prefetch *pf, int kt) {
+#define CALL(h, kind) pv64_heads(h, v, D, p, ps, n, o, pf, kind)
+    KINDS_SWITCH(CALL)
+#undef CALL
+}
+#undef KINDS_SWITCH
+#undef HEADS_SWITCH
+#endif
+
 /* the same for one 8-wide slice (head sizes not a multiple of 64) */
 static inline __attribute__((always_inline)) void pv8(const void *v, int64_t D, const float *p, int64_t n, float *o,
                                                       int kt) {
@@ -3571,11 +3700,21 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
             for (int64_t h = 0; h < nkh; h++) {
                 const void *k8 = ROW(kcache, kh0 + h, pos);
                 if (kt == W_F8) widen_rows(k8, 8 * D, wide), k8 = wide;
-                for (int64_t r = 0; r < R; r++)
+                for (int64_t r = 0; r < R; r++) {
+#if PLINTH_AVX512 /* the group's heads SHARED_HEADS at a time */
+                    for (int64_t g = 0; g < group; g += SHARED_HEADS) {
+                        int64_t j = h * group + g;
+                        const float *qj = q[r] + j * D;
+                        float *sj = SCORES(r, j) + pos;
+                        dot8_heads_any(group - g < SHARED_HEADS ? (int)(group - g) : SHARED_HEADS, qj, k8, D, &pf, rk, sj, n);
+                    }
+#else
                     for (int64_t g = 0; g < group; g++) {
                         int64_t j = h * group + g;
                         _mm256_storeu_ps(SCORES(r, j) + pos, dot8(q[r] + j * D, k8, D, &pf, rk));
                     }
+#endif
+                }
             }
         }
     }
@@ -3630,6 +3769,18 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
                 if (kt == W_F8) widen_rows(vs, (s1 - s0) * D, wide), vs = wide;
                 for (int64_t r = 0; r < R; r++) {
                     int64_t a = first[r] > s0 ? first[r] : s0, e = last[r] + 1 < s1 ? last[r] + 1 : s1;
+#if PLINTH_AVX512 /* the group's heads SHARED_HEADS at a time over each 64-wide slice */
+                    for (int64_t g = 0; a < e && g < group; g += SHARED_HEADS) {
+                        int64_t j = h * group + g, nh = group - g < SHARED_HEADS ? group - g : SHARED_HEADS;
+                        const float *sg = SCORES(r, j) + a;
+                        const void *va = wat(vs, (a - s0) * D, rk);
+                        float *og = o[r] + j * D;
+                        int64_t d0 = 0;
+                        for (; d0 + 64 <= D; d0 += 64) pv64_heads_any((int)nh, wat(va, d0, rk), D, sg, n, e - a, og + d0, &pf, rk);
+                        for (; d0 < D; d0 += 8)
+                            for (int64_t i = 0; i < nh; i++) pv8(wat(va, d0, rk), D, sg + i * n, e - a, og + i * D + d0, rk);
+                    }
+#else
                     for (int64_t g = 0; a < e && g < group; g++) {
                         int64_t j = h * group + g;
                         const float *sg = SCORES(r, j) + a;
@@ -3639,6 +3790,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
                         for (; d0 + 64 <= D; d0 += 64) pv64(wat(va, d0, rk), D, sg, e - a, og + d0, &pf, rk);
                         for (; d0 < D; d0 += 8) pv8(wat(va, d0, rk), D, sg, e - a, og + d0, rk);
                     }
+#endif
                 }
             }
         }
