@@ -102,6 +102,17 @@ class GraphStats:
     eager: int = 0  # decode steps too large for a bucket, or in a bucket that could not be captured
 
 
+def _flat_views(tensors: Sequence[torch.Tensor]) -> tuple[ctypes.Array[Any], ctypes.Array[Any], ctypes.Array[Any]]:
+    """Flat ctypes arrays over the memory of host tensors (int64 ids/positions/slots, int32 lengths,
+    int32 block tables), which the caller keeps alive."""
+    longs, lens, tables = tensors
+    return (
+        (ctypes.c_int64 * longs.numel()).from_address(longs.data_ptr()),
+        (ctypes.c_int32 * lens.numel()).from_address(lens.data_ptr()),
+        (ctypes.c_int32 * tables.numel()).from_address(tables.data_ptr()),
+    )
+
+
 class DecodeGraphs:
     """Captures and replays pure decode steps, one graph per batch-size bucket.
 
@@ -148,16 +159,24 @@ class DecodeGraphs:
         self._block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
-        # In host memory a step writes the inputs through flat views of the buffers, with no torch
-        # call: after a replay has streamed the weights through the caches, each torch call (its
-        # dispatch code and data cold) cost 15-45 us at batch 1, the six of a fill ~130 us a token.
-        self._views: tuple[ctypes.Array[Any], ctypes.Array[Any], ctypes.Array[Any]] | None = None
-        if torch.device(dev).type == HOST.type:  # flat arrays over the tensors' memory (which self holds)
-            self._views = (
-                (ctypes.c_int64 * self._longs.numel()).from_address(self._longs.data_ptr()),
-                (ctypes.c_int32 * n).from_address(self._seq_lens.data_ptr()),
-                (ctypes.c_int32 * self._block_tables.numel()).from_address(self._block_tables.data_ptr()),
-            )
+        # A step writes its inputs through flat views of host tensors, with no torch call: after a
+        # replay has streamed the weights through the caches, each torch call (its dispatch code and
+        # data cold) cost 15-45 us at batch 1, the six of a fill ~130 us a token. In host memory the
+        # tensors are the buffers themselves; a device's buffers get host copies, copied over.
+        self._staging = (self._longs, self._seq_lens, self._block_tables)
+        self._views = _flat_views(self._staging)
+        if torch.device(dev).type != HOST.type:
+            self._stage_on_host()
+
+    def _stage_on_host(self) -> None:
+        """Fill host copies of the input buffers and copy a step's rows over (three copies a step):
+        the path of buffers in device memory."""
+        self._staging = (
+            self._longs.to(HOST, copy=True),
+            self._seq_lens.to(HOST, copy=True),
+            self._block_tables.to(HOST, copy=True),
+        )
+        self._views = _flat_views(self._staging)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The bucket a decode batch of ``num_seqs`` sequences runs in; None: too large, or the
@@ -194,28 +213,22 @@ class DecodeGraphs:
         lens = [p + 1 for p in positions] + [1] * pad
         # rows only need the blocks up to their length; the rest of a row is never read
         used = [p // bs + 1 for p in positions]
-        if self._views is not None:
-            longs, seq_lens, tables = self._views
-            n = len(seq_lens)
-            longs[:bucket] = input_ids + [0] * pad
-            longs[n : n + bucket] = positions + [0] * pad
-            longs[2 * n : 2 * n + bucket] = slots + [-1] * pad
-            seq_lens[:bucket] = lens
-            width = len(tables) // n
-            for i, (ids, u) in enumerate(zip(block_ids, used, strict=True)):
-                tables[i * width : i * width + u] = ids[:u]
-            for i in range(b, bucket):  # a padding row reads its first block only (length 1)
-                tables[i * width] = 0
-        else:
-            # few tensors a step: each torch call costs microseconds, several times more after a
-            # replay has run the caches cold; the rows padded with block 0 to the longest one's blocks
-            self._longs[:, :bucket].copy_(
-                torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
-            )
-            self._seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32))
-            width = max(used, default=1)
-            rows = [ids[:n] + [0] * (width - n) for ids, n in zip(block_ids, used, strict=True)]
-            self._block_tables[:bucket, :width].copy_(torch.tensor(rows + [[0] * width] * pad, dtype=torch.int32))
+        longs, seq_lens, tables = self._views
+        n = len(seq_lens)
+        longs[:bucket] = input_ids + [0] * pad
+        longs[n : n + bucket] = positions + [0] * pad
+        longs[2 * n : 2 * n + bucket] = slots + [-1] * pad
+        seq_lens[:bucket] = lens
+        width = len(tables) // n
+        for i, (ids, u) in enumerate(zip(block_ids, used, strict=True)):
+            tables[i * width : i * width + u] = ids[:u]
+        for i in range(b, bucket):  # a padding row reads its first block only (length 1)
+            tables[i * width] = 0
+        if self._staging[0] is not self._longs:  # on a device: the rows this step reads, copied over
+            widest = max(used, default=1)
+            self._longs[:, :bucket].copy_(self._staging[0][:, :bucket])
+            self._seq_lens[:bucket].copy_(self._staging[1][:bucket])
+            self._block_tables[:bucket, :widest].copy_(self._staging[2][:bucket, :widest])
         self.model.embed(self._ids[:bucket], out=self._hidden[:bucket])
 
     def _context(self, bucket: int) -> ForwardContext:

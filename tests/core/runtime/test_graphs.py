@@ -293,16 +293,18 @@ def test_a_backend_without_step_graphs_runs_every_step_eagerly(folder: Path) -> 
 
 
 @needs_native
-def test_host_buffers_are_filled_as_the_torch_copies_fill_them(cpu_model: tuple[Any, CpuBackend]) -> None:
-    """In host memory a step writes its inputs through flat views of the buffers (no torch call);
-    every value a replay reads (ids, positions, slots and lengths of the bucket's rows, each row's
-    blocks up to its length, a padding row's first block) equals what the torch copies write, over
-    steps of changing sizes whose earlier, longer rows leave stale values behind."""
+def test_device_buffers_are_filled_as_host_buffers_are(cpu_model: tuple[Any, CpuBackend]) -> None:
+    """A step writes its inputs into host tensors through flat views (no torch call); in host memory
+    they are the buffers, on a device host copies whose rows are copied over. Both paths (the
+    device's run here on host buffers) hold every value a replay reads equal (ids, positions,
+    slots and lengths of the bucket's rows, each row's blocks up to its length, a padding row's
+    first block), over steps of changing sizes whose earlier, longer rows leave stale values behind."""
     model, backend = cpu_model
     caches = _Batch(model, backend, seed=3).graph_caches
-    host, copies = _graphs(model, backend, caches), _graphs(model, backend, caches)
-    assert host._views is not None
-    copies._views = None  # the path of a device whose buffers are not in host memory
+    host, staged = _graphs(model, backend, caches), _graphs(model, backend, caches)
+    assert host._staging[0] is host._longs
+    staged._stage_on_host()  # the path of a device whose buffers are not in host memory
+    assert staged._staging[0] is not staged._longs
     gen = torch.Generator().manual_seed(5)
     for b in (5, 2, 8, 1, 3):
         bucket = host.bucket(b)
@@ -310,13 +312,16 @@ def test_host_buffers_are_filled_as_the_torch_copies_fill_them(cpu_model: tuple[
         positions = [int(p) for p in torch.randint(0, MAX_BLOCKS * BLOCK, (b,), generator=gen)]
         tables = [[int(x) for x in torch.randperm(40, generator=gen)[:MAX_BLOCKS]] for _ in range(b)]
         ids = [int(t) for t in torch.randint(0, 100, (b,), generator=gen)]
-        for graphs in (host, copies):
+        for graphs in (host, staged):
             graphs._fill(ids, positions, tables, bucket)
-        assert torch.equal(host._longs[:, :bucket], copies._longs[:, :bucket])
+        assert torch.equal(host._longs[:, :bucket], staged._longs[:, :bucket])
         slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, p in zip(tables, positions, strict=True)]
         assert host._longs[2, :b].tolist() == slots
-        assert torch.equal(host._seq_lens[:bucket], copies._seq_lens[:bucket])
+        assert host._longs[2, b:bucket].tolist() == [-1] * (bucket - b)  # padding rows write no KV
+        assert torch.equal(host._seq_lens[:bucket], staged._seq_lens[:bucket])
         for i in range(bucket):
             used = positions[i] // BLOCK + 1 if i < b else 1
-            assert torch.equal(host._block_tables[i, :used], copies._block_tables[i, :used]), (b, i)
-        assert torch.equal(host._hidden[:bucket], copies._hidden[:bucket])
+            want = tables[i][:used] if i < b else [0]
+            assert host._block_tables[i, :used].tolist() == want, (b, i)
+            assert torch.equal(host._block_tables[i, :used], staged._block_tables[i, :used]), (b, i)
+        assert torch.equal(host._hidden[:bucket], staged._hidden[:bucket])
