@@ -1035,6 +1035,17 @@ static void gemm_panels_range(void *p, int64_t begin, int64_t end) {
  * faster blocked than in 4x24 tiles, 80 rows 25%; the layers' 576-3072 outputs the same either way) */
 #define BLOCKED_WIDE_MIN_ROWS 48
 #define BLOCKED_WIDE_N 16384
+/* The AVX-512 build also takes fp32 calls of 17-32 rows (past its 8-row tiles) blocked: its 12-row
+ * tiles outran the 4-row panel tiles there (AMD EPYC Zen 4, 2 threads, benchmarks/onednn_packed.py
+ * --dtype float32 --calls native, 30 SmolLM2-shaped layers, 4 processes): 17 rows 1.16-1.32x, 20
+ * 1.11-1.27x, 24 1.05-1.23x, 28-32 1.00-1.16x; from 40 rows the panel tiles were even or ahead
+ * (40-64 rows 0.94-1.13x, 64 rows 0.94-1.05x). 16-bit panels stay: blocked, a call first widens the
+ * whole weight to fp32, twice the bytes a decode step reads. */
+#if PLINTH_AVX512
+#define BLOCKED_SHORT_ROWS 32
+#else
+#define BLOCKED_SHORT_ROWS 0
+#endif
 #define PACK_MC 48 /* activation rows per item: a 48 x K block of micro-panels stays in L2 */
 #define PACK_KC 768 /* K per pass: one pass up to 768, so the output tile is stored once */
 #define PACK_GP 4  /* 8-row panels per item */
@@ -1348,7 +1359,8 @@ static int gemm_blocked(const float *x, const void *P, int wt, const float *bias
 
 static void gemm_panels(const float *x, const void *P, int wt, const float *bias, float *y, int64_t M, int64_t N,
                         int64_t K) {
-    int blocked = M >= BLOCKED_MIN_ROWS || (M >= BLOCKED_WIDE_MIN_ROWS && N >= BLOCKED_WIDE_N);
+    int blocked = M >= BLOCKED_MIN_ROWS || (M >= BLOCKED_WIDE_MIN_ROWS && N >= BLOCKED_WIDE_N) ||
+                  (wt == W_F32 && M > PANEL_TALL_ROWS && M <= BLOCKED_SHORT_ROWS);
     if (blocked && gemm_blocked(x, P, wt, bias, y, M, N, K) == 0) return;
     gemm_ctx c = {x, NULL, bias, y, M, N, K, P, wt}; /* few rows, or no memory to pack: the 4x24 tiles need none */
     int64_t panels = (N + 7) / 8;
