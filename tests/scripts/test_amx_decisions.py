@@ -48,15 +48,17 @@ def test_the_dry_run_names_benchmarks_and_peers_rows_that_exist() -> None:
     tags = {tag for _, tag, _ in run.PLINTH_VARIANTS}
     rows = next(cmd[cmd.index("--plinth-rows") + 1] for cmd in commands if "--plinth-rows" in cmd)
     assert set(rows.split(",")) <= tags, f"peers rows {rows} not all in run.py's {sorted(tags)}"
-    tall = next(cmd for cmd in commands if "benchmarks/onednn_packed.py" in cmd)
     onednn = (REPO / "benchmarks" / "onednn_packed.py").read_text()
-    for opt in (a for a in tall if a.startswith("--")):
-        assert f'"{opt}"' in onednn, f"benchmarks/onednn_packed.py has no option {opt}"
-    before = tall[tall.index("--against") + 1]  # a commit of this history (a shallow clone may lack it)
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
-    if shallow.stdout.strip() == "false":
-        found = subprocess.run(["git", "cat-file", "-e", f"{before}^{{commit}}"], cwd=REPO, capture_output=True)
-        assert found.returncode == 0, f"--against {before} is not a commit of this repository"
+    gemm = [cmd for cmd in commands if "benchmarks/onednn_packed.py" in cmd]
+    assert len(gemm) == 2  # the fp32 few-row tiles, then the blocked tiles, each against the commit before them
+    for cmd in gemm:
+        for opt in (a for a in cmd if a.startswith("--")):
+            assert f'"{opt}"' in onednn, f"benchmarks/onednn_packed.py has no option {opt}"
+        before = cmd[cmd.index("--against") + 1]  # a commit of this history (a shallow clone may lack it)
+        if shallow.stdout.strip() == "false":
+            found = subprocess.run(["git", "cat-file", "-e", f"{before}^{{commit}}"], cwd=REPO, capture_output=True)
+            assert found.returncode == 0, f"--against {before} is not a commit of this repository"
     attention = (REPO / "benchmarks" / "attention.py").read_text()
     for cmd in commands:
         if "benchmarks/attention.py" in cmd:
