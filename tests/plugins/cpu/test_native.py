@@ -6,6 +6,7 @@ import functools
 import platform
 import shutil
 import subprocess
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -56,6 +57,20 @@ def _kernels(variant: str) -> NativeKernels:
     assert compiler is not None
     chosen = next(v for v in native_mod.variants() if v.name == variant)
     return NativeKernels(native_mod.build(compiler, chosen), chosen)
+
+
+def _on_every_build(threads: int, call: Callable[[NativeKernels], torch.Tensor]) -> list[torch.Tensor]:
+    """``call``'s result on the kernels of each build this CPU runs, each at ``threads`` threads."""
+    results = []
+    for variant in RUNNABLE:
+        kernels = _kernels(variant)
+        before = kernels.num_threads()
+        kernels.set_num_threads(threads)
+        try:
+            results.append(call(kernels))
+        finally:
+            kernels.set_num_threads(before)
+    return results
 
 
 @pytest.fixture(params=RUNNABLE)
@@ -133,24 +148,16 @@ def test_gemm_f32_panels_matches_linear(nk: NativeKernels, threads: int, m: int,
 # second micro-panel has 5 rows (263)
 @pytest.mark.parametrize("m", [96, 100, 263])
 @pytest.mark.parametrize("n", [13, 200])
-def test_gemm_f32_panels_builds_agree_bit_for_bit(threads: int, m: int, n: int) -> None:
+@pytest.mark.parametrize("k", [64, 1544])  # K in one pass and in two
+def test_gemm_f32_panels_builds_agree_bit_for_bit(threads: int, m: int, n: int, k: int) -> None:
     """The AVX-512 build's many-row tiles (12 rows by 32 columns) sum each output's products in the
-    AVX2 build's order (6 rows by 16): the same results, bit for bit, K in one pass and in two."""
+    AVX2 build's order (6 rows by 16): the same results, bit for bit."""
     if len(RUNNABLE) < 2:
         pytest.skip(f"one build runs on this CPU ({RUNNABLE[0]}): nothing to compare")
-    gen = torch.Generator().manual_seed(m + n)
-    for k in (64, 1544):
-        x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-        results = []
-        for variant in RUNNABLE:
-            kernels = _kernels(variant)
-            before = kernels.num_threads()
-            kernels.set_num_threads(threads)
-            try:
-                results.append(kernels.gemm_f32_panels(x, kernels.pack_f32(w), b, n))
-            finally:
-                kernels.set_num_threads(before)
-        assert all(torch.equal(r, results[0]) for r in results[1:]), f"k={k}"
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    results = _on_every_build(threads, lambda kernels: kernels.gemm_f32_panels(x, kernels.pack_f32(w), b, n))
+    assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
 @needs_native
@@ -399,16 +406,12 @@ def test_quant_layouts_builds_agree_bit_for_bit(threads: int, layout: str, m: in
     gen = torch.Generator().manual_seed(5)
     qw, x = _weight(layout, 1040, 1536, gen), torch.randn(m, 1536, generator=gen)
     b = torch.randn(1040, generator=gen)
-    results = []
-    for variant in RUNNABLE:
-        kernels = _kernels(variant)
-        before = kernels.num_threads()
-        kernels.set_num_threads(threads)
-        try:
-            packed = _packer(kernels, layout)(qw.blocks, 1040, 1536)
-            results.append(kernels.gemm_quant(layout, x, packed, b, 1040, "int16"))
-        finally:
-            kernels.set_num_threads(before)
+
+    def product(kernels: NativeKernels) -> torch.Tensor:
+        packed = _packer(kernels, layout)(qw.blocks, 1040, 1536)
+        return kernels.gemm_quant(layout, x, packed, b, 1040, "int16")
+
+    results = _on_every_build(threads, product)
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
