@@ -1092,79 +1092,34 @@ static __attribute__((unused)) void kern6x16(int64_t mr, const float *A, int64_t
 }
 
 #if PLINTH_AVX512
-/* The AVX-512 build's tile: 6 rows by 4 adjacent weight panels (32 columns), each register one k of
- * two panels ([P0 | P1] and [P2 | P3]: a load and an insert from the other panel), each A value
- * broadcast from memory into the FMA: 12 512-bit accumulators, 2 loads, 2 inserts and 6 broadcasts
- * per 12 FMAs of 16 lanes. Same panels, same packed A, same sums per output as kern6x16 (one k after
- * another), so both builds' results agree bit for bit. */
-#define KROW(i)                                                                                                \
-    if (mr > i) {                                                                                              \
+/* The AVX-512 build's tile: up to two 6-row micro-panels (mr rows of A, then mr2 of A2: 0 for a lone
+ * micro-panel) by 4 adjacent weight panels (32 columns), each register one k of two panels ([P0 | P1]
+ * and [P2 | P3]: a load and an insert from the other panel), each A value broadcast from memory into
+ * the FMA: up to 24 accumulators of 16, so each pair of weight vectors loaded and inserted serves 12
+ * rows (on Intel the inserts share a port with the FMAs). Same panels, same packed A, same sums per
+ * output as kern6x16 (one k after another), so both builds' results agree bit for bit. Measured (AMD
+ * EPYC Zen 4, 2 threads, benchmarks/onednn_packed.py --dtype float32 --calls native --against 6-row
+ * tiles, 30 SmolLM2-shaped layers): 96-512 rows 1.04-1.08x (~186-192 -> ~195-200 GFLOP/s of a 232
+ * GFLOP/s FMA peak; oneDNN on its pre-packed weights 206-213). K blocks of 256 or 384 (a block of
+ * weights in L1 for every tile of an item) or 96-row items measured the same. */
+#define KROW(c, A, m, i)                                                                                       \
+    if (m > i) {                                                                                               \
         __m512 a = _mm512_set1_ps(A[i]);                                                                       \
         c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0), c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);                  \
     }
-#define KOUT(i)                                                                                                \
-    if (mr > i) {                                                                                              \
+#define KOUT(c, y, m, i)                                                                                       \
+    if (m > i) {                                                                                               \
         if (acc) {                                                                                             \
             c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(y + i * ldy));                                    \
             c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(y + i * ldy + 16));                               \
         }                                                                                                      \
         _mm512_storeu_ps(y + i * ldy, c##i##0), _mm512_storeu_ps(y + i * ldy + 16, c##i##1);                   \
     }
-static inline __attribute__((always_inline)) void kern_rows32(int mr, const float *A, int64_t kc,
-                                                              const float *const P[4], float *y, int64_t ldy,
-                                                              int acc) {
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *P0 = P[0], *P1 = P[1], *P2 = P[2], *P3 = P[3];
-    for (int64_t k = 0; k < kc; k++, A += 6) {
-        __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P0 + 8 * k)), _mm256_loadu_ps(P1 + 8 * k), 1);
-        __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P2 + 8 * k)), _mm256_loadu_ps(P3 + 8 * k), 1);
-        KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
-    }
-    KOUT(0) KOUT(1) KOUT(2) KOUT(3) KOUT(4) KOUT(5)
-}
-#undef KROW
-#undef KOUT
-
-static void kern6x32(int64_t mr, const float *A, int64_t kc, const float *const P[4], float *y, int64_t ldy, int acc) {
-    switch (mr) {
-    case 6: kern_rows32(6, A, kc, P, y, ldy, acc); break;
-    case 5: kern_rows32(5, A, kc, P, y, ldy, acc); break;
-    case 4: kern_rows32(4, A, kc, P, y, ldy, acc); break;
-    case 3: kern_rows32(3, A, kc, P, y, ldy, acc); break;
-    case 2: kern_rows32(2, A, kc, P, y, ldy, acc); break;
-    default: kern_rows32(1, A, kc, P, y, ldy, acc); break;
-    }
-}
-/* The same tile over two 6-row micro-panels at once (A, then mr2 <= 6 rows of A2: 24 accumulators),
- * so each pair of weight vectors loaded and inserted serves 12 rows: half the loads and inserts per
- * FMA (on Intel the inserts share a port with the FMAs). The same sums per output as kern6x32 (one k
- * after another): the results equal the AVX2 build's bit for bit. Measured (AMD EPYC Zen 4, 2 threads,
- * benchmarks/onednn_packed.py --dtype float32 --calls native --against the 6-row tiles, 30
- * SmolLM2-shaped layers): 96-512 rows 1.04-1.08x (~186-192 -> ~195-200 GFLOP/s of a 232 GFLOP/s FMA
- * peak; oneDNN on its pre-packed weights 206-213). K blocks of 256 or 384 (a block of weights in L1
- * for every tile of an item) or 96-row items measured the same. */
-#define KROW(i)                                                                                                \
-    {                                                                                                          \
-        __m512 a = _mm512_set1_ps(A[i]);                                                                       \
-        c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0), c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);                  \
-    }
-#define KROW2(i)                                                                                               \
-    if (mr2 > i) {                                                                                             \
-        __m512 a = _mm512_set1_ps(A2[i]);                                                                      \
-        d##i##0 = _mm512_fmadd_ps(a, b0, d##i##0), d##i##1 = _mm512_fmadd_ps(a, b1, d##i##1);                  \
-    }
-#define KOUT(c, i, y)                                                                                          \
-    {                                                                                                          \
-        if (acc) {                                                                                             \
-            c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(y + i * ldy));                                    \
-            c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(y + i * ldy + 16));                               \
-        }                                                                                                      \
-        _mm512_storeu_ps(y + i * ldy, c##i##0), _mm512_storeu_ps(y + i * ldy + 16, c##i##1);                   \
-    }
-static inline __attribute__((always_inline)) void kern_rows32x2(int mr2, const float *A, const float *A2, int64_t kc,
-                                                                const float *const P[4], float *y, int64_t ldy,
-                                                                int acc) {
+#define KROWS(c, A, m) KROW(c, A, m, 0) KROW(c, A, m, 1) KROW(c, A, m, 2) KROW(c, A, m, 3) KROW(c, A, m, 4) KROW(c, A, m, 5)
+#define KOUTS(c, y, m) KOUT(c, y, m, 0) KOUT(c, y, m, 1) KOUT(c, y, m, 2) KOUT(c, y, m, 3) KOUT(c, y, m, 4) KOUT(c, y, m, 5)
+static inline __attribute__((always_inline)) void kern_rows32(int mr, int mr2, const float *A, const float *A2,
+                                                              int64_t kc, const float *const P[4], float *y,
+                                                              int64_t ldy, int acc) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     __m512 d00 = c00, d01 = c00, d10 = c00, d11 = c00, d20 = c00, d21 = c00;
@@ -1173,33 +1128,35 @@ static inline __attribute__((always_inline)) void kern_rows32x2(int mr2, const f
     for (int64_t k = 0; k < kc; k++, A += 6, A2 += 6) {
         __m512 b0 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P0 + 8 * k)), _mm256_loadu_ps(P1 + 8 * k), 1);
         __m512 b1 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(P2 + 8 * k)), _mm256_loadu_ps(P3 + 8 * k), 1);
-        KROW(0) KROW(1) KROW(2) KROW(3) KROW(4) KROW(5)
-        KROW2(0) KROW2(1) KROW2(2) KROW2(3) KROW2(4) KROW2(5)
+        KROWS(c, A, mr) KROWS(d, A2, mr2)
     }
-    KOUT(c, 0, y) KOUT(c, 1, y) KOUT(c, 2, y) KOUT(c, 3, y) KOUT(c, 4, y) KOUT(c, 5, y)
     float *y2 = y + 6 * ldy;
-    if (mr2 > 0) KOUT(d, 0, y2)
-    if (mr2 > 1) KOUT(d, 1, y2)
-    if (mr2 > 2) KOUT(d, 2, y2)
-    if (mr2 > 3) KOUT(d, 3, y2)
-    if (mr2 > 4) KOUT(d, 4, y2)
-    if (mr2 > 5) KOUT(d, 5, y2)
+    KOUTS(c, y, mr) KOUTS(d, y2, mr2)
 }
+#undef KROWS
+#undef KOUTS
 #undef KROW
-#undef KROW2
 #undef KOUT
 
-/* 6 rows of A and mr2 (1..6) of A2 */
-static void kern12x32(int64_t mr2, const float *A, const float *A2, int64_t kc, const float *const P[4], float *y,
-                      int64_t ldy, int acc) {
-    switch (mr2) {
-    case 6: kern_rows32x2(6, A, A2, kc, P, y, ldy, acc); break;
-    case 5: kern_rows32x2(5, A, A2, kc, P, y, ldy, acc); break;
-    case 4: kern_rows32x2(4, A, A2, kc, P, y, ldy, acc); break;
-    case 3: kern_rows32x2(3, A, A2, kc, P, y, ldy, acc); break;
-    case 2: kern_rows32x2(2, A, A2, kc, P, y, ldy, acc); break;
-    default: kern_rows32x2(1, A, A2, kc, P, y, ldy, acc); break;
+/* mr (1..6) rows of A alone (mr2 0), or 6 of A and mr2 (1..6) of A2 */
+static void kern12x32(int64_t mr, int64_t mr2, const float *A, const float *A2, int64_t kc, const float *const P[4],
+                      float *y, int64_t ldy, int acc) {
+#define K32(m, m2) kern_rows32(m, m2, A, A2, kc, P, y, ldy, acc)
+    switch (mr2 ? mr2 + 6 : mr) {
+    case 12: K32(6, 6); break;
+    case 11: K32(6, 5); break;
+    case 10: K32(6, 4); break;
+    case 9: K32(6, 3); break;
+    case 8: K32(6, 2); break;
+    case 7: K32(6, 1); break;
+    case 6: K32(6, 0); break;
+    case 5: K32(5, 0); break;
+    case 4: K32(4, 0); break;
+    case 3: K32(3, 0); break;
+    case 2: K32(2, 0); break;
+    default: K32(1, 0); break;
     }
+#undef K32
 }
 #define KERN_PANELS 4
 #define KERN_TILES 2 /* 6-row micro-panels per tile */
@@ -1277,10 +1234,7 @@ static void gemm_blocked_range(void *p, int64_t begin, int64_t end) {
                         for (int64_t i = 0; i < mr; i++)
                             memcpy(tile + i * KERN_COLS, c->y + (m + i) * N + nj, sizeof(float) * (size_t)cols);
 #if PLINTH_AVX512
-                    if (two)
-                        kern12x32(mr - 6, At, At + PANEL_X(K), kc, P, out, ldy, k0 > 0);
-                    else
-                        kern6x32(mr, At, kc, P, out, ldy, k0 > 0);
+                    kern12x32(two ? 6 : mr, two ? mr - 6 : 0, At, two ? At + PANEL_X(K) : At, kc, P, out, ldy, k0 > 0);
 #else
                     kern6x16(mr, At, kc, P[0], P[1], out, ldy, k0 > 0);
 #endif
@@ -3405,31 +3359,13 @@ static inline void prefetch_step(page_prefetch *pf) {
     }
 }
 
-/* Scores of query q against the 8 key rows at k (consecutive positions of one page, D elements of
+#if !PLINTH_AVX512
+/* The AVX2 build: scores of query q against the 8 key rows at k (consecutive positions of one page, D elements of
  * kind kt apart). */
 static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t D, page_prefetch *pf,
                                                          int kt) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     int64_t d = 0;
-#if PLINTH_AVX512
-    { /* 16 of D a step (one prefetch per 16 elements of each key: the same lines a step as below) */
-        __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0, z4 = z0, z5 = z0, z6 = z0, z7 = z0;
-        for (; d + 16 <= D; d += 16) {
-            prefetch_step(pf);
-            __m512 qv = _mm512_loadu_ps(q + d);
-            z0 = _mm512_fmadd_ps(qv, load16w(k, d, kt), z0);
-            z1 = _mm512_fmadd_ps(qv, load16w(k, D + d, kt), z1);
-            z2 = _mm512_fmadd_ps(qv, load16w(k, 2 * D + d, kt), z2);
-            z3 = _mm512_fmadd_ps(qv, load16w(k, 3 * D + d, kt), z3);
-            z4 = _mm512_fmadd_ps(qv, load16w(k, 4 * D + d, kt), z4);
-            z5 = _mm512_fmadd_ps(qv, load16w(k, 5 * D + d, kt), z5);
-            z6 = _mm512_fmadd_ps(qv, load16w(k, 6 * D + d, kt), z6);
-            z7 = _mm512_fmadd_ps(qv, load16w(k, 7 * D + d, kt), z7);
-        }
-        a0 = fold_halves(z0), a1 = fold_halves(z1), a2 = fold_halves(z2), a3 = fold_halves(z3);
-        a4 = fold_halves(z4), a5 = fold_halves(z5), a6 = fold_halves(z6), a7 = fold_halves(z7);
-    }
-#endif
     for (; d < D; d += 8) {
         prefetch_step(pf);
         __m256 qv = _mm256_loadu_ps(q + d);
@@ -3445,21 +3381,10 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
     return hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
-/* o[0..64) += sum over n positions of p[pos] * v[pos * D + 0..64) (elements of kind kt), in eight
- * registers */
+/* The AVX2 build: o[0..64) += sum over n positions of p[pos] * v[pos * D + 0..64) (elements of kind
+ * kt), in eight registers */
 static inline __attribute__((always_inline)) void pv64(const void *v, int64_t D, const float *p, int64_t n, float *o,
                                                        page_prefetch *pf, int kt) {
-#if PLINTH_AVX512
-    __m512 z0 = _mm512_loadu_ps(o), z1 = _mm512_loadu_ps(o + 16), z2 = _mm512_loadu_ps(o + 32);
-    __m512 z3 = _mm512_loadu_ps(o + 48);
-    for (int64_t i = 0; i < n; i++, v = wat(v, D, kt)) {
-        prefetch_step(pf);
-        __m512 w = _mm512_set1_ps(p[i]);
-        z0 = _mm512_fmadd_ps(w, load16w(v, 0, kt), z0), z1 = _mm512_fmadd_ps(w, load16w(v, 16, kt), z1);
-        z2 = _mm512_fmadd_ps(w, load16w(v, 32, kt), z2), z3 = _mm512_fmadd_ps(w, load16w(v, 48, kt), z3);
-    }
-    _mm512_storeu_ps(o, z0), _mm512_storeu_ps(o + 16, z1), _mm512_storeu_ps(o + 32, z2), _mm512_storeu_ps(o + 48, z3);
-#else
     __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
     __m256 o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32), o5 = _mm256_loadu_ps(o + 40);
     __m256 o6 = _mm256_loadu_ps(o + 48), o7 = _mm256_loadu_ps(o + 56);
@@ -3473,10 +3398,24 @@ static inline __attribute__((always_inline)) void pv64(const void *v, int64_t D,
     }
     _mm256_storeu_ps(o, o0), _mm256_storeu_ps(o + 8, o1), _mm256_storeu_ps(o + 16, o2), _mm256_storeu_ps(o + 24, o3);
     _mm256_storeu_ps(o + 32, o4), _mm256_storeu_ps(o + 40, o5), _mm256_storeu_ps(o + 48, o6), _mm256_storeu_ps(o + 56, o7);
-#endif
 }
 
-#if PLINTH_AVX512
+
+/* Its 16 registers keep one query head at a time (the AVX-512 build's versions below take up to 3) */
+#define SHARED_HEADS 1
+static inline __attribute__((always_inline)) void dot8_heads_any(int nh, const float *q, const void *k, int64_t D,
+                                                                 page_prefetch *pf, int kt, float *out,
+                                                                 int64_t stride) {
+    (void)nh, (void)stride;
+    _mm256_storeu_ps(out, dot8(q, k, D, pf, kt));
+}
+static inline __attribute__((always_inline)) void pv64_heads_any(int nh, const void *v, int64_t D, const float *p,
+                                                                 int64_t ps, int64_t n, float *o, page_prefetch *pf,
+                                                                 int kt) {
+    (void)nh, (void)ps;
+    pv64(v, D, p, n, o, pf, kt);
+}
+#else
 /* Up to this many query heads of a group read each key and value element of a page together (the
  * AVX-512 build: 8 positions x 3 heads of scores are 24 of its 32 registers), so a 16-bit or fp8
  * element is widened once per 3 heads, not once per head. Measured (AMD EPYC Zen 4, 2 threads,
@@ -3485,10 +3424,12 @@ static inline __attribute__((always_inline)) void pv64(const void *v, int64_t D,
  * (from memory) 0.98x; fp8 cache 1.13-1.17x (4 processes); fp32 cache 0.98-1.04x (bound by memory).
  * The AVX2 build's 16 registers keep one head at a time. */
 #define SHARED_HEADS 3
-/* dot8 for nh (1..SHARED_HEADS, a constant where inlined) query heads at once, query head h at
- * q + h * D, its 8 scores stored at out + h * stride: each key element is loaded, and a 16-bit or
- * widened fp8 one widened, once for the nh heads where dot8 does so once per head. Each score is
- * dot8's FMA chain, folds and sums, so the same value bit for bit; the same prefetch steps. */
+/* Scores of nh (1..SHARED_HEADS, a constant where inlined) query heads at once (query head h at
+ * q + h * D) against the 8 key rows at k (consecutive positions of one page, D elements of kind kt
+ * apart), head h's 8 scores stored at out + h * stride: each key element is loaded, and a 16-bit or
+ * widened fp8 one widened, once for the nh heads. Each score: 16 of D a step, the halves folded,
+ * then the 8-wide steps of a D that is not a multiple of 16 and the sums (one prefetch step per
+ * head and step): one head's value is what the per-head loop computed, bit for bit. */
 static inline __attribute__((always_inline)) void dot8_heads(int nh, const float *q, const void *k, int64_t D,
                                                              page_prefetch *pf, int kt, float *out, int64_t stride) {
     /* z<h><p>: head h, position p (explicit registers: arrays of them were kept in memory) */
@@ -3537,9 +3478,9 @@ static inline __attribute__((always_inline)) void dot8_heads(int nh, const float
     if (nh > 2) _mm256_storeu_ps(out + 2 * stride, hsum8x8(a20, a21, a22, a23, a24, a25, a26, a27));
 }
 
-/* pv64 for nh (1..SHARED_HEADS) heads at once: head h's weights at p + h * ps, its output slice at
- * o + h * D; each value element loaded (and widened) once for the nh heads. pv64's FMA chains, so
- * the same sums bit for bit; the same prefetch steps. */
+/* o[h][0..64) += sum over n positions of p[h * ps + pos] * v[pos * D + 0..64) for nh (1..SHARED_HEADS)
+ * heads at once (head h's output slice at o + h * D), each value element loaded (and widened) once
+ * for the nh heads; per output one FMA chain over the positions in order, as the AVX2 build's. */
 static inline __attribute__((always_inline)) void pv64_heads(int nh, const void *v, int64_t D, const float *p,
                                                              int64_t ps, int64_t n, float *o, page_prefetch *pf,
                                                              int kt) {
@@ -3712,21 +3653,12 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
             for (int64_t h = 0; h < nkh; h++) {
                 const void *k8 = ROW(kcache, kh0 + h, pos);
                 if (kt == W_F8) widen_rows(k8, 8 * D, wide), k8 = wide;
-                for (int64_t r = 0; r < R; r++) {
-#if PLINTH_AVX512 /* the group's heads SHARED_HEADS at a time */
-                    for (int64_t g = 0; g < group; g += SHARED_HEADS) {
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t g = 0; g < group; g += SHARED_HEADS) { /* the group's heads SHARED_HEADS at a time */
                         int64_t j = h * group + g;
-                        const float *qj = q[r] + j * D;
-                        float *sj = SCORES(r, j) + pos;
-                        dot8_heads_any(group - g < SHARED_HEADS ? (int)(group - g) : SHARED_HEADS, qj, k8, D, &pf, rk, sj, n);
+                        int nh = group - g < SHARED_HEADS ? (int)(group - g) : SHARED_HEADS;
+                        dot8_heads_any(nh, q[r] + j * D, k8, D, &pf, rk, SCORES(r, j) + pos, n);
                     }
-#else
-                    for (int64_t g = 0; g < group; g++) {
-                        int64_t j = h * group + g;
-                        _mm256_storeu_ps(SCORES(r, j) + pos, dot8(q[r] + j * D, k8, D, &pf, rk));
-                    }
-#endif
-                }
             }
         }
     }
@@ -3781,8 +3713,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
                 if (kt == W_F8) widen_rows(vs, (s1 - s0) * D, wide), vs = wide;
                 for (int64_t r = 0; r < R; r++) {
                     int64_t a = first[r] > s0 ? first[r] : s0, e = last[r] + 1 < s1 ? last[r] + 1 : s1;
-#if PLINTH_AVX512 /* the group's heads SHARED_HEADS at a time over each 64-wide slice */
-                    for (int64_t g = 0; a < e && g < group; g += SHARED_HEADS) {
+                    for (int64_t g = 0; a < e && g < group; g += SHARED_HEADS) { /* SHARED_HEADS at a time */
                         int64_t j = h * group + g, nh = group - g < SHARED_HEADS ? group - g : SHARED_HEADS;
                         const float *sg = SCORES(r, j) + a;
                         const void *va = wat(vs, (a - s0) * D, rk);
@@ -3792,17 +3723,6 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
                         for (; d0 < D; d0 += 8)
                             for (int64_t i = 0; i < nh; i++) pv8(wat(va, d0, rk), D, sg + i * n, e - a, og + i * D + d0, rk);
                     }
-#else
-                    for (int64_t g = 0; a < e && g < group; g++) {
-                        int64_t j = h * group + g;
-                        const float *sg = SCORES(r, j) + a;
-                        const void *va = wat(vs, (a - s0) * D, rk);
-                        float *og = o[r] + j * D;
-                        int64_t d0 = 0;
-                        for (; d0 + 64 <= D; d0 += 64) pv64(wat(va, d0, rk), D, sg, e - a, og + d0, &pf, rk);
-                        for (; d0 < D; d0 += 8) pv8(wat(va, d0, rk), D, sg, e - a, og + d0, rk);
-                    }
-#endif
                 }
             }
         }
