@@ -7,7 +7,10 @@ same library with its AMX tiles turned off (``plinth_amx_bf16(0)``: the fp32 pat
 
 Each case is G sequences whose last Q positions are the chunk (Q = L: a fresh prompt; Q < L: a chunk
 after earlier context), with a model's head shape (default SmolLM2-135M's: 9 query heads, 3 kv heads,
-64 wide, pages of 16). The libraries being compared alternate call by call; the fastest of the repeats
+64 wide, pages of 16), over caches in huge pages as the engine allocates them. ``--layers N`` gives each
+of N layers its own cache and times a call over all of them: the engine's decode reads a step's caches
+from memory (SmolLM2's 30 layers of 64 sequences of ~225 positions are ~330 MB in bf16), where one
+layer's alone would stay in the L3. The libraries being compared alternate call by call; the fastest of the repeats
 counts. Prints GFLOP/s (2 x 2 x D x heads x the visible positions of every query row) with the CPU's
 AVX-512/AMX flags, the build and the host load.
 
@@ -23,6 +26,7 @@ process, 1.64x in the next), while a prefill-sized one stays within 1-2%.
     python benchmarks/attention.py --cache-dtype bfloat16 --bf16-queries --amx --cases 64x225x1 8x512x512
     python benchmarks/attention.py --cache-dtype float8_e4m3fn --cases 64x2048x1   # decode from memory
     python benchmarks/attention.py --cases 64x225x1 --against HEAD --processes 8   # a decode change, judged
+    python benchmarks/attention.py --cases 64x225x1 64x2048x1 --layers 30 --cache-dtype bfloat16 --bf16-queries
 """
 
 from __future__ import annotations
@@ -42,33 +46,43 @@ from isa import cpu_flags_line
 from w16 import build_revision
 
 from plinth_cpu import native as native_mod
+from plinth_cpu.host_memory import huge_page_tensor
 from plinth_cpu.native import NativeKernels
 
 
-def case(G: int, L: int, Q: int, H: int, Hk: int, D: int, bs: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
-    """G sequences of L positions whose last Q are queried, over shuffled pages of a fresh cache."""
+def case(
+    G: int, L: int, Q: int, H: int, Hk: int, D: int, bs: int, dtype: torch.dtype, gen: torch.Generator, layers: int = 1
+) -> dict:
+    """G sequences of L positions whose last Q are queried, over shuffled pages of fresh caches: one per
+    layer, in huge pages as the engine allocates them (``huge_page_tensor``), the same pages in each."""
     per = (L + bs - 1) // bs
     blocks = G * per + 1
-    cache = torch.randn(2, blocks, Hk, bs, D, generator=gen).to(dtype)
+    caches = []
+    for _ in range(layers):
+        cache = huge_page_tensor([2, blocks, Hk, bs, D], dtype)
+        cache.copy_(torch.randn(2, blocks, Hk, bs, D, generator=gen))
+        caches.append(cache)
     order = torch.randperm(blocks, generator=gen)[: G * per].to(torch.int32)
     return {
         "q": torch.randn(G * Q, H, D, generator=gen),
-        "cache": cache,
+        "caches": caches,
         "tables": order.view(G, per).contiguous(),
         "q_start": torch.arange(G, dtype=torch.int64) * Q,
         "q_lens": torch.full((G,), Q, dtype=torch.int32),
         "seq_lens": torch.full((G,), L, dtype=torch.int32),
         "out": torch.empty(G * Q, H, D),
-        "flops": 4 * D * H * G * sum(L - Q + 1 + j for j in range(Q)),
+        "flops": layers * 4 * D * H * G * sum(L - Q + 1 + j for j in range(Q)),
     }
 
 
 def run(nk: NativeKernels, c: dict, scale: float) -> None:
-    if int(c["q_lens"].max()) == 1:  # a decode batch
-        c["out"].copy_(nk.decode_attention(c["q"], c["cache"], c["tables"], c["seq_lens"], scale, None, None))
-        return
-    nk.prefill_attention(c["q"], c["cache"], c["tables"], c["q_start"], c["q_lens"], c["seq_lens"], c["out"],
-                         scale, None, None)  # fmt: skip
+    """The case's attention over each layer's cache in turn (the output is the last layer's)."""
+    for cache in c["caches"]:
+        if int(c["q_lens"].max()) == 1:  # a decode batch
+            c["out"].copy_(nk.decode_attention(c["q"], cache, c["tables"], c["seq_lens"], scale, None, None))
+            continue
+        nk.prefill_attention(c["q"], cache, c["tables"], c["q_start"], c["q_lens"], c["seq_lens"], c["out"],
+                             scale, None, None)  # fmt: skip
 
 
 def tiles_off(nk: NativeKernels) -> NativeKernels:
@@ -96,7 +110,7 @@ def child_command(args: argparse.Namespace, against_lib: Path | None) -> list[st
     """This script with ``args`` for one process of ``--processes`` (its results as JSON lines)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--cases", *args.cases, "--heads", args.heads]
     cmd += ["--block-size", str(args.block_size), "--cache-dtype", args.cache_dtype, "--threads", str(args.threads)]
-    cmd += ["--repeats", str(args.repeats), "--json-lines"]
+    cmd += ["--layers", str(args.layers), "--repeats", str(args.repeats), "--json-lines"]
     if args.bf16_queries:
         cmd.append("--bf16-queries")
     if args.amx:
@@ -150,6 +164,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["8x512x512"], help="GxLxQ: sequences x positions x queried")
     parser.add_argument("--heads", default="9/3/64", help="query heads/kv heads/head size")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=1,
+                        help="a cache per layer, each call visiting them all (30: SmolLM2's, whose decode reads "
+                        "its caches from memory where one layer's would stay in the L3)")  # fmt: skip
     parser.add_argument("--cache-dtype", choices=["float32", "bfloat16", "float16", "float8_e4m3fn"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
@@ -164,6 +181,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.processes < 1:
         parser.error(f"--processes must be at least 1, got {args.processes}")
+    if args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
     nk = native_mod.native()
     if nk is None:
         raise SystemExit(native_mod.native_status())
@@ -187,11 +206,12 @@ def main() -> None:
         lib.set_num_threads(args.threads)
     H, Hk, D = (int(x) for x in args.heads.split("/"))
     print(f"CPU flags: {cpu_flags_line()}; build {nk.variant.name}; {args.threads} threads; "
-          f"{args.cache_dtype} cache; heads {H}/{Hk}x{D}; load before {os.getloadavg()[0]:.2f}")  # fmt: skip
+          f"{args.cache_dtype} cache; heads {H}/{Hk}x{D}; {args.layers} layers; "
+          f"load before {os.getloadavg()[0]:.2f}")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for spec in args.cases:
         G, L, Q = (int(x) for x in spec.split("x"))
-        c = case(G, L, Q, H, Hk, D, args.block_size, getattr(torch, args.cache_dtype), gen)
+        c = case(G, L, Q, H, Hk, D, args.block_size, getattr(torch, args.cache_dtype), gen, args.layers)
         if args.bf16_queries:
             c["q"] = c["q"].bfloat16().float()
         best = dict.fromkeys(libs, float("inf"))

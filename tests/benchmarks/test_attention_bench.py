@@ -43,8 +43,20 @@ def test_child_command_passes_the_built_revision_and_options() -> None:
     import argparse
 
     args = argparse.Namespace(cases=["64x225x1"], heads="9/3/64", block_size=16, cache_dtype="float8_e4m3fn",
-                              threads=2, repeats=50, bf16_queries=True, amx=False, against="HEAD")  # fmt: skip
+                              threads=2, repeats=50, bf16_queries=True, amx=False, against="HEAD",
+                              layers=30)  # fmt: skip
     cmd = _attention().child_command(args, Path("/tmp/lib-avx512.so"))
     assert cmd[1].endswith("benchmarks/attention.py") and "--json-lines" in cmd and "--bf16-queries" in cmd
     assert cmd[cmd.index("--against-lib") + 1] == "/tmp/lib-avx512.so" and "--processes" not in cmd
-    assert cmd[cmd.index("--cache-dtype") + 1] == "float8_e4m3fn"
+    assert cmd[cmd.index("--cache-dtype") + 1] == "float8_e4m3fn" and cmd[cmd.index("--layers") + 1] == "30"
+
+
+def test_case_gives_each_layer_its_own_cache_in_huge_pages() -> None:
+    import torch
+
+    c = _attention().case(2, 40, 1, 9, 3, 64, 16, torch.bfloat16, torch.Generator().manual_seed(0), layers=3)
+    caches = c["caches"]
+    assert len(caches) == 3 and caches[0].shape == (2, 7, 3, 16, 64) and caches[0].dtype == torch.bfloat16
+    assert len({t.data_ptr() for t in caches}) == 3 and not torch.equal(caches[0], caches[1])  # filled, apart
+    assert c["flops"] == 3 * 4 * 64 * 9 * 2 * 40
+    assert c["tables"].shape == (2, 3) and len(set(c["tables"].flatten().tolist())) == 6

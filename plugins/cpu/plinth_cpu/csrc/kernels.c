@@ -3336,25 +3336,46 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Pages are scattered 4-12 KiB runs: the hardware prefetcher does not cross into the next one, so
- * the kernels prefetch the next page in software, one line per step of their inner loops (a step
- * reads one to four lines of the current page from L1 or memory). Prefetching the whole next page at
- * once stalled on the core's few outstanding misses, so its lines and the current page's compute did
- * not overlap. Measured (SmolLM2's decode shape, 64 sequences of 170-300 tokens, 30 layers' caches
- * in huge pages, 2 threads): 10-11 GB/s with the whole page at once, 14-15 with a line a step (two
- * a step 12, three 11.5). */
+/* Pages are scattered 2-12 KiB runs: the hardware prefetcher does not cross into the next one, so
+ * the attention loops prefetch the pages ahead in software: the run of the page PF_DIST ahead in the
+ * sweep (the keys' pages, then the values') is queued as a page's reading begins, and each step of the
+ * inner loops prefetches its share of the queue's lines (PF_PERCENT of the lines it reads itself),
+ * into L2. Into L2, not L1: a core has far fewer misses to L1 in flight (software prefetches into L1
+ * held them and stalled the loads); whole pages at once stalled the same way. Measured (AMD EPYC Zen 4,
+ * 2 threads, benchmarks/attention.py --layers 30 --processes 2, SmolLM2's heads, caches from memory,
+ * against the page-ahead prefetch into L1 at a line per step before it): bf16 cache 64 x 225 x 1
+ * 1.46x, 64 x 2048 x 1 1.53x (48 -> 74 GFLOP/s, 16 -> 25 GB/s), 2 x 8192 x 1 (kv head items) 1.27x;
+ * fp32 cache 1.36-1.52x; fp8 1.12-1.23x; the AVX2 build's fp32 1.21-1.27x. Caches held in L3 (one
+ * layer): 0.89-1.00x. The same queue into L1: 0.92x; 100-150% alike; 250% three pages ahead 1.25x. */
+#define PF_DIST 2
+#define PF_PERCENT 150
+
 typedef struct {
-    const char *p, *end; /* the next line to prefetch, and the end of the run */
+    const char *p, *end;   /* the next line to prefetch, and the end of its run */
+    const char *p2, *end2; /* the run queued after it */
+    int rate, credit;      /* lines a step, in 256ths (set for each loop), and those owed */
 } page_prefetch;
 
-static inline void prefetch_run(page_prefetch *pf, const void *run, int64_t bytes) {
-    pf->p = (const char *)run;
-    pf->end = run ? (const char *)run + bytes : NULL;
+/* queue the run of `bytes` at `run` (NULL: none) behind the one being prefetched; a run still queued
+ * behind it moves up, and what was left of the older run is dropped: the loops are reading it now */
+static inline void prefetch_queue(page_prefetch *pf, const void *run, int64_t bytes) {
+    if (!run) return;
+    if (pf->p2 < pf->end2) pf->p = pf->p2, pf->end = pf->end2, pf->p2 = pf->end2 = NULL;
+    if (pf->p < pf->end) pf->p2 = (const char *)run, pf->end2 = (const char *)run + bytes;
+    else pf->p = (const char *)run, pf->end = (const char *)run + bytes;
 }
 
-static inline void prefetch_step(page_prefetch *pf) {
-    if (pf->p < pf->end) {
-        _mm_prefetch(pf->p, _MM_HINT_T0);
+/* a step's share of the queued runs' lines, prefetched into L2 */
+static inline __attribute__((always_inline)) void prefetch_step(page_prefetch *pf) {
+    for (pf->credit += pf->rate; pf->credit >= 256; pf->credit -= 256) {
+        if (pf->p >= pf->end) {
+            if (pf->p2 >= pf->end2) {
+                pf->credit = 0;
+                return;
+            }
+            pf->p = pf->p2, pf->end = pf->end2, pf->p2 = pf->end2 = NULL;
+        }
+        _mm_prefetch(pf->p, _MM_HINT_T1);
         pf->p += 64;
     }
 }
@@ -3403,6 +3424,7 @@ static inline __attribute__((always_inline)) void pv64(const void *v, int64_t D,
 
 /* Its 16 registers keep one query head at a time (the AVX-512 build's versions below take up to 3) */
 #define SHARED_HEADS 1
+#define PF_STEP_FLOATS 8 /* of D, a key step of dot8 reads */
 static inline __attribute__((always_inline)) void dot8_heads_any(int nh, const float *q, const void *k, int64_t D,
                                                                  page_prefetch *pf, int kt, float *out,
                                                                  int64_t stride) {
@@ -3424,6 +3446,7 @@ static inline __attribute__((always_inline)) void pv64_heads_any(int nh, const v
  * (from memory) 0.98x; fp8 cache 1.13-1.17x (4 processes); fp32 cache 0.98-1.04x (bound by memory).
  * The AVX2 build's 16 registers keep one head at a time. */
 #define SHARED_HEADS 3
+#define PF_STEP_FLOATS 16 /* of D, a key step of dot8_heads reads */
 /* Scores of nh (1..SHARED_HEADS, a constant where inlined) query heads at once (query head h at
  * q + h * D) against the 8 key rows at k (consecutive positions of one page, D elements of kind kt
  * apart), head h's 8 scores stored at out + h * stride: each key element is loaded, and a 16-bit or
@@ -3447,8 +3470,8 @@ static inline __attribute__((always_inline)) void dot8_heads(int nh, const float
     for (; d + 16 <= D; d += 16) {
         __m512 q0 = _mm512_loadu_ps(q + d), q1 = q0, q2 = q0;
         prefetch_step(pf);
-        if (nh > 1) prefetch_step(pf), q1 = _mm512_loadu_ps(q + D + d);
-        if (nh > 2) prefetch_step(pf), q2 = _mm512_loadu_ps(q + 2 * D + d);
+        if (nh > 1) q1 = _mm512_loadu_ps(q + D + d);
+        if (nh > 2) q2 = _mm512_loadu_ps(q + 2 * D + d);
         D8_POS(0) D8_POS(1) D8_POS(2) D8_POS(3) D8_POS(4) D8_POS(5) D8_POS(6) D8_POS(7)
     }
 #undef D8_POS
@@ -3468,8 +3491,8 @@ static inline __attribute__((always_inline)) void dot8_heads(int nh, const float
     for (; d < D; d += 8) { /* the last 8 of a D that is not a multiple of 16 */
         __m256 q0 = _mm256_loadu_ps(q + d), q1 = q0, q2 = q0;
         prefetch_step(pf);
-        if (nh > 1) prefetch_step(pf), q1 = _mm256_loadu_ps(q + D + d);
-        if (nh > 2) prefetch_step(pf), q2 = _mm256_loadu_ps(q + 2 * D + d);
+        if (nh > 1) q1 = _mm256_loadu_ps(q + D + d);
+        if (nh > 2) q2 = _mm256_loadu_ps(q + 2 * D + d);
         D8_POS(0) D8_POS(1) D8_POS(2) D8_POS(3) D8_POS(4) D8_POS(5) D8_POS(6) D8_POS(7)
     }
 #undef D8_POS
@@ -3495,13 +3518,13 @@ static inline __attribute__((always_inline)) void pv64_heads(int nh, const void 
         z22 = _mm512_loadu_ps(o + 2 * D + 32), z23 = _mm512_loadu_ps(o + 2 * D + 48);
 #define PV_HEAD(h)                                                                                             \
     {                                                                                                          \
-        prefetch_step(pf);                                                                                     \
         __m512 w = _mm512_set1_ps(p[h * ps + i]);                                                              \
         z##h##0 = _mm512_fmadd_ps(w, v0, z##h##0), z##h##1 = _mm512_fmadd_ps(w, v1, z##h##1);                  \
         z##h##2 = _mm512_fmadd_ps(w, v2, z##h##2), z##h##3 = _mm512_fmadd_ps(w, v3, z##h##3);                  \
     }
     for (int64_t i = 0; i < n; i++, v = wat(v, D, kt)) {
         __m512 v0 = load16w(v, 0, kt), v1 = load16w(v, 16, kt), v2 = load16w(v, 32, kt), v3 = load16w(v, 48, kt);
+        prefetch_step(pf);
         PV_HEAD(0)
         if (nh > 1) PV_HEAD(1)
         if (nh > 2) PV_HEAD(2)
@@ -3639,17 +3662,24 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
     /* scores: positions outer, rows and heads inner, so a page's keys are read from memory once and
      * stay in L1 for every row and head */
     int64_t pos = lo;
-    page_prefetch pf = {NULL, NULL};
+    /* the pages of the sweep, PF_DIST ahead of the one being read: the keys' pages, then the values' */
+    int64_t pg0 = lo / bs, npg = (hi - 1) / bs - pg0 + 1, run_bytes = nkh * bs * D * esize;
+#define SWEEP_RUN(i)                                                                                           \
+    ((i) < npg ? ROW(kcache, kh0, (pg0 + (i)) * bs) : (i) < 2 * npg ? ROW(vcache, kh0, (pg0 + (i) - npg) * bs) : NULL)
+    /* a page's lines are spread over every call that reads it (each row's, each group of heads'): a
+     * key step reads 8 positions x PF_STEP_FLOATS of D, a value step one position's 64 of D (in bytes
+     * of the cache: an fp8 page is prefetched as the bytes it is) */
+    int64_t calls = R * ((group + SHARED_HEADS - 1) / SHARED_HEADS);
+    int key_rate = (int)(256 * PF_PERCENT / 100 * 8 * PF_STEP_FLOATS * esize / 64 / calls);
+    page_prefetch pf = {NULL, NULL, NULL, NULL, key_rate, 0};
+    for (int64_t i = 1; i <= PF_DIST; i++) prefetch_queue(&pf, SWEEP_RUN(i), run_bytes);
     if (bs % 8 == 0) { /* eight positions of one page at a time */
         for (; pos < hi && pos % 8; pos++)
             for (int64_t r = 0; r < R; r++)
                 for (int64_t j = 0; j < heads; j++)
                     SCORES(r, j)[pos] = dot1_w(q[r] + j * D, ROW(kcache, kh0 + j / group, pos), D, kt);
         for (; pos + 8 <= hi; pos += 8) {
-            if (pos % bs == 0) { /* the next page of keys, or at the last the first of values */
-                if (pos + bs < hi) prefetch_run(&pf, ROW(kcache, kh0, pos + bs), nkh * bs * D * esize);
-                else prefetch_run(&pf, ROW(vcache, kh0, lo), (nkh * bs - lo % bs) * D * esize);
-            }
+            if (pos % bs == 0 && pos > lo) prefetch_queue(&pf, SWEEP_RUN(pos / bs - pg0 + PF_DIST), run_bytes);
             for (int64_t h = 0; h < nkh; h++) {
                 const void *k8 = ROW(kcache, kh0 + h, pos);
                 if (kt == W_F8) widen_rows(k8, 8 * D, wide), k8 = wide;
@@ -3700,9 +3730,10 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
     }
     /* values: one page's run of positions at a time (read from memory once, in L1 for every row
      * and head), each 64-wide slice of a head's output accumulated in registers over the run */
+    pf.rate = (int)(256 * PF_PERCENT / 100 * 64 * esize / 64 / calls);
     for (int64_t p0 = lo; p0 < hi;) {
         int64_t p1 = (p0 / bs + 1) * bs < hi ? (p0 / bs + 1) * bs : hi;
-        prefetch_run(&pf, p1 < hi ? ROW(vcache, kh0, p1) : NULL, nkh * bs * D * esize);
+        prefetch_queue(&pf, SWEEP_RUN(npg + p0 / bs - pg0 + PF_DIST), run_bytes);
         for (int64_t h = 0; h < nkh; h++) {
             const void *v0 = ROW(vcache, kh0 + h, p0); /* positions p0..p1 are consecutive rows of one page */
             /* the run as one piece, or an fp8 one WIDEN_ROWS widened rows at a time (pv64 and pv8 add
@@ -3719,7 +3750,8 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
                         const void *va = wat(vs, (a - s0) * D, rk);
                         float *og = o[r] + j * D;
                         int64_t d0 = 0;
-                        for (; d0 + 64 <= D; d0 += 64) pv64_heads_any((int)nh, wat(va, d0, rk), D, sg, n, e - a, og + d0, &pf, rk);
+                        for (; d0 + 64 <= D; d0 += 64)
+                            pv64_heads_any((int)nh, wat(va, d0, rk), D, sg, n, e - a, og + d0, &pf, rk);
                         for (; d0 < D; d0 += 8)
                             for (int64_t i = 0; i < nh; i++) pv8(wat(va, d0, rk), D, sg + i * n, e - a, og + i * D + d0, rk);
                     }
@@ -3728,6 +3760,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
         }
         p0 = p1;
     }
+#undef SWEEP_RUN
 #undef SCORES
 #undef ROW
 }
