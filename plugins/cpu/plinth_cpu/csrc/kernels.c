@@ -3645,10 +3645,16 @@ static inline __attribute__((always_inline)) void widen_rows(const void *src, in
  * the first row's first position to the last row's last. kt, the cache's element kind, is a constant
  * in each inlined copy: each kind has its own decode and prefill range functions, so the fp32 ones
  * hold the code they held before 16-bit caches (one copy each, laid out as before). */
+/* the first page of the sweep an attention item reads after this one (NULL: none, or not known) */
+typedef struct {
+    const int32_t *table;    /* its sequence's block table */
+    int64_t kh0, page, pages; /* its first kv head, the table index of its first page, and its pages */
+} next_sweep;
+
 static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *c, const int32_t *table, int64_t kh0,
                                                                 int64_t nkh, int64_t R, const float *const *q,
                                                                 float *const *o, const int64_t *last, float *scores,
-                                                                int kt) {
+                                                                const next_sweep *next, int kt) {
     int64_t Hk = c->Hk, D = c->D, bs = c->bs, group = c->H / Hk, heads = nkh * group;
     int64_t esize = (int64_t)wsize(kt); /* bytes per cache element */
     int rk = kt == W_F8 ? F8_WIDE : kt; /* the kind the inner loops read: fp8 rows widened first */
@@ -3662,10 +3668,15 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
     /* scores: positions outer, rows and heads inner, so a page's keys are read from memory once and
      * stay in L1 for every row and head */
     int64_t pos = lo;
-    /* the pages of the sweep, PF_DIST ahead of the one being read: the keys' pages, then the values' */
+    /* the pages of the sweep, PF_DIST ahead of the one being read: the keys' pages, then the values',
+     * then the next item's first keys */
     int64_t pg0 = lo / bs, npg = (hi - 1) / bs - pg0 + 1, run_bytes = nkh * bs * D * esize;
+#define NEXT_RUN(j) wat(kcache, ((int64_t)next->table[next->page + (j)] * Hk + next->kh0) * bs * D, kt)
 #define SWEEP_RUN(i)                                                                                           \
-    ((i) < npg ? ROW(kcache, kh0, (pg0 + (i)) * bs) : (i) < 2 * npg ? ROW(vcache, kh0, (pg0 + (i) - npg) * bs) : NULL)
+    ((i) < npg                                ? ROW(kcache, kh0, (pg0 + (i)) * bs)                               \
+     : (i) < 2 * npg                          ? ROW(vcache, kh0, (pg0 + (i) - npg) * bs)                         \
+     : next && (i) - 2 * npg < next->pages ? NEXT_RUN((i) - 2 * npg)                                            \
+                                              : NULL)
     /* a page's lines are spread over every call that reads it (each row's, each group of heads'): a
      * key step reads 8 positions x PF_STEP_FLOATS of D, a value step one position's 64 of D (in bytes
      * of the cache: an fp8 page is prefetched as the bytes it is) */
@@ -3761,6 +3772,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
         p0 = p1;
     }
 #undef SWEEP_RUN
+#undef NEXT_RUN
 #undef SCORES
 #undef ROW
 }
@@ -3780,7 +3792,13 @@ static inline __attribute__((always_inline)) void decode_attention_range_w(void 
         }
         const float *q = c->q + b * c->sq + kh * group * D;
         float *o = c->out + (b * H + kh * group) * D; /* the heads are adjacent rows */
-        attend_rows_w(c, c->block_tables + b * c->max_blocks, kh, nkh, 1, &q, &o, &last, scores, kt);
+        /* the next item's first pages are prefetched as this one's last values are read */
+        int64_t nb = (task + 1) % c->B, nlast = c->seq_lens[nb] - 1;
+        int64_t nfirst = c->window > 0 && nlast + 1 > c->window ? nlast + 1 - c->window : 0;
+        next_sweep next = {c->block_tables + nb * c->max_blocks, c->seq_items ? 0 : (task + 1) / c->B,
+                           nfirst / c->bs, nlast / c->bs - nfirst / c->bs + 1};
+        attend_rows_w(c, c->block_tables + b * c->max_blocks, kh, nkh, 1, &q, &o, &last, scores,
+                      task + 1 < end && nlast >= 0 ? &next : NULL, kt);
         free(scores);
     }
 }
@@ -3970,7 +3988,7 @@ static inline __attribute__((always_inline)) AMX_TARGET void decode_attention_ra
             const float *q = c->q + b * c->sq + kh * group * D;
             float *o = c->out + (b * H + kh * group) * D;
             if (!bf16_exact(q, group * D))
-                attend_rows_w(c, table, kh, 1, 1, &q, &o, &last, scores, kt);
+                attend_rows_w(c, table, kh, 1, 1, &q, &o, &last, scores, NULL, kt);
             else if (kt == W_F8)
                 amx_attend_head_f8(c, table, kh, q, o, first, last, scores);
             else
@@ -4449,7 +4467,7 @@ static inline __attribute__((always_inline)) void prefill_attention_range_w(void
             atomic_store(&c->a.failed, 1);
             break;
         }
-        attend_rows_w(&c->a, table, kh, 1, R, q, o, last, scores, kt);
+        attend_rows_w(&c->a, table, kh, 1, R, q, o, last, scores, NULL, kt);
         free(scores);
     }
     free(tile_mem);
