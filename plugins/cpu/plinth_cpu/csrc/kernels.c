@@ -3652,7 +3652,7 @@ static inline __attribute__((always_inline)) void widen_rows(const void *src, in
  * the first row's first position to the last row's last. kt, the cache's element kind, is a constant
  * in each inlined copy: each kind has its own decode and prefill range functions, so the fp32 ones
  * hold the code they held before 16-bit caches (one copy each, laid out as before). */
-/* the first page of the sweep an attention item reads after this one (NULL: none, or not known) */
+/* where the item after this one starts reading (attend_rows_w's `next`: NULL where none is known) */
 typedef struct {
     const int32_t *table;    /* its sequence's block table */
     int64_t kh0, page, pages; /* its first kv head, the table index of its first page, and its pages */
