@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+Bench = Callable[[str], ModuleType]
 
 
-def _ab() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("ab")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def test_plan_runs_each_mode_then_start_up_in_the_last() -> None:
-    names = [name for name, _ in _ab().plan(["bf16", "fp32"], 64)]
+def test_plan_runs_each_mode_then_start_up_in_the_last(bench: Bench) -> None:
+    names = [name for name, _ in bench("ab").plan(["bf16", "fp32"], 64)]
     assert names == [
         "throughput bf16 output tok/s",
         "batch-1 bf16 decode tok/s",
@@ -31,17 +21,17 @@ def test_plan_runs_each_mode_then_start_up_in_the_last() -> None:
     ]
 
 
-def test_the_bf16_mode_asks_for_a_bf16_model_of_unquantized_weights() -> None:
-    ab = _ab()
+def test_the_bf16_mode_asks_for_a_bf16_model_of_unquantized_weights(bench: Bench) -> None:
+    ab = bench("ab")
     common = ab._common(ab.MODES["bf16"])
     last = max(i for i, arg in enumerate(common) if arg == "--dtype")  # argparse: the last --dtype wins
     assert common[last + 1] == "bfloat16"
     assert common[common.index("--quantization") + 1] == "none"
 
 
-def test_an_unknown_mode_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_mode_is_named(bench: Bench, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        _ab().main(["--a", ".", "--b", ".", "--modes", "fp32,int3"])
+        bench("ab").main(["--a", ".", "--b", ".", "--modes", "fp32,int3"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "int3" in err and "fp32, q4_1, bf16" in err
