@@ -324,7 +324,7 @@ enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2, W_F8 = 3 };
  * threads, Zen 5, AVX-512 build, against none: bf16 panels 1 row +3-29%, 4 rows +25-40%; fp32
  * 4 rows +8-55%, 1 row within noise (1024 and 4096 bytes measured no better). The weight streams'
  * prefetches (these, the bf16 pairs' and the quantized panels') go into L2 (prefetcht1), as the
- * attention's pages do (there a core keeps more misses in flight): AMD EPYC Zen 4, 2 threads, against
+ * attention's pages do: AMD EPYC Zen 4, 2 threads, against
  * prefetcht0, benchmarks/w16.py (2 runs): fp32 panels 4 rows 1.09-1.16x, 16 rows 1.17-1.20x, 1 row
  * 1.02-1.10x, 16-bit panels 0.95-1.12x (the row groups' next-block prefetch kept in L1: with it in L2
  * the 16-bit panels at 16 rows measured 0.94-0.95x); onednn_packed.py --calls pairs: bf16 pairs
@@ -3347,11 +3347,11 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
  * the attention loops prefetch the pages ahead in software: the run of the page PF_DIST ahead in the
  * sweep (the keys' pages, then the values') is queued as a page's reading begins, and each step of the
  * inner loops prefetches its share of the queue's lines (PF_PERCENT of the lines it reads itself),
- * into L2. Into L2, not L1: a core has far fewer misses to L1 in flight (software prefetches into L1
- * held them and stalled the loads); whole pages at once stalled the same way. Measured (AMD EPYC Zen 4,
- * 2 threads, benchmarks/attention.py --layers 30 --processes 2, SmolLM2's heads, caches from memory,
- * against the page-ahead prefetch into L1 at a line per step before it): bf16 cache 64 x 225 x 1
- * 1.46x, 64 x 2048 x 1 1.53x (48 -> 74 GFLOP/s, 16 -> 25 GB/s), 2 x 8192 x 1 (kv head items) 1.27x;
+ * into L2. Into L2, not L1, by measurement (presumably a core keeps more misses to L2 in flight than
+ * to L1, whose few the loads need too); whole pages at once into L1 had stalled the loads. Measured
+ * (AMD EPYC Zen 4, 2 threads, benchmarks/attention.py --layers 30 --processes 2, SmolLM2's heads,
+ * caches from memory, against the page-ahead prefetch into L1 at a line per step before it): bf16
+ * cache 64 x 225 x 1 1.46x, 64 x 2048 x 1 1.53x (48 -> 74 GFLOP/s, 16 -> 25 GB/s), 2 x 8192 x 1 (kv head items) 1.27x;
  * fp32 cache 1.36-1.52x; fp8 1.12-1.23x; the AVX2 build's fp32 1.21-1.27x. Caches held in L3 (one
  * layer): 0.89-1.00x. The same queue into L1: 0.92x; 100-150% alike; 250% three pages ahead 1.25x. */
 #define PF_DIST 2
