@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -70,3 +73,19 @@ def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
             if i + 1 < n:
                 out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+@pytest.fixture
+def bench() -> Callable[[str], ModuleType]:
+    """``bench("attention")``: the module of benchmarks/attention.py. The benchmark scripts are not a
+    package, so they are imported by name from benchmarks/ (their sibling imports resolved)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+    def load(name: str) -> ModuleType:
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(folder)
+
+    return load
