@@ -3688,8 +3688,8 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
      * key step reads 8 positions x PF_STEP_FLOATS of D, a value step one position's 64 of D (in bytes
      * of the cache: an fp8 page is prefetched as the bytes it is) */
     int64_t calls = R * ((group + SHARED_HEADS - 1) / SHARED_HEADS);
-    int key_rate = (int)(256 * PF_PERCENT / 100 * 8 * PF_STEP_FLOATS * esize / 64 / calls);
-    page_prefetch pf = {NULL, NULL, NULL, NULL, key_rate, 0};
+#define STEP_RATE(bytes) ((int)(256 * PF_PERCENT / 100 * (bytes) / 64 / calls)) /* lines a call's step, in 256ths */
+    page_prefetch pf = {NULL, NULL, NULL, NULL, STEP_RATE(8 * PF_STEP_FLOATS * esize), 0};
     for (int64_t i = 1; i <= PF_DIST; i++) prefetch_queue(&pf, SWEEP_RUN(i), run_bytes);
     if (bs % 8 == 0) { /* eight positions of one page at a time */
         for (; pos < hi && pos % 8; pos++)
@@ -3748,7 +3748,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
     }
     /* values: one page's run of positions at a time (read from memory once, in L1 for every row
      * and head), each 64-wide slice of a head's output accumulated in registers over the run */
-    pf.rate = (int)(256 * PF_PERCENT / 100 * 64 * esize / 64 / calls);
+    pf.rate = STEP_RATE(64 * esize);
     for (int64_t p0 = lo; p0 < hi;) {
         int64_t p1 = (p0 / bs + 1) * bs < hi ? (p0 / bs + 1) * bs : hi;
         prefetch_queue(&pf, SWEEP_RUN(npg + p0 / bs - pg0 + PF_DIST), run_bytes);
@@ -3778,6 +3778,7 @@ static inline __attribute__((always_inline)) void attend_rows_w(const attn_ctx *
         }
         p0 = p1;
     }
+#undef STEP_RATE
 #undef SWEEP_RUN
 #undef NEXT_RUN
 #undef SCORES
